@@ -1,0 +1,55 @@
+# The course's commands. `make help` lists them.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.setup-stamp
+KERNEL := distributed-course
+# Notebooks run against this tree's venv whatever the caller's PATH says.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: help setup lab course test test-fast lint format doctor clean
+
+help:
+	@echo "make setup   create .venv from requirements.txt, install course_utils, register the '$(KERNEL)' kernel"
+	@echo "make lab     open JupyterLab on notebooks/"
+	@echo "make course  execute every notebook headless into build/ (ipynb + html) with a timing table"
+	@echo "make test    unit + multi-process tests, then nbval over every notebook at the ci size"
+	@echo "make lint    ruff check + format check"
+	@echo "make doctor  what this node has: GPUs, interconnect, working backends, chosen size"
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python >= 3.10 is needed, found " + sys.version.split()[0]'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . || \
+	  $(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	$(PY) -m ipykernel install --user --name $(KERNEL) --display-name "Distributed training course" >/dev/null
+	touch $(STAMP)
+
+lab: setup
+	$(PY) -m jupyter lab notebooks/
+
+course: setup
+	$(PY) -m course_utils course --out build
+
+test: setup
+	COURSE_SIZE=$${COURSE_SIZE:-ci} $(PY) -m pytest tests notebooks --nbval-lax --nbval-cell-timeout=600
+
+test-fast: setup
+	COURSE_SIZE=ci $(PY) -m pytest tests -m "not slow and not notebook"
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+doctor: setup
+	$(PY) -m course_utils doctor
+
+clean:
+	rm -rf build .pytest_cache .ruff_cache

@@ -1,0 +1,230 @@
+"""``launch``: run a function as N real ranks and bring back what each returned.
+
+Taught in notebook 01 (first use) and notebook 03 (what it does for you).
+Example, runnable as it stands::
+
+    python -c "from course_utils import launch; print(launch('course_utils.launcher.demo:hello', 2).results)"
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import torch
+
+from . import procs as _procs
+from .context import cpu_threads_per_rank
+from .rank import PAYLOAD, log_path, rank_main
+from .rundir import new_run_dir, write_json
+from .spec import build_spec
+from .supervise import Tail, interrupted_notice, read_record, supervise
+
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+_notices: set[str] = set()
+
+
+@dataclass
+class LaunchResult:
+    """What :func:`launch` brings back."""
+
+    results: list
+    """``results[rank]``: what the worker returned on that rank."""
+    run_dir: Path
+    """The run's folder (logs, results, traces), kept after the run."""
+    world_size: int
+    backend: str
+    device: str
+    """``"cuda"`` or ``"cpu"``."""
+    wall_time: float
+    """Seconds from the call to the last rank's exit, process start-up included."""
+    logs: dict[int, Path] = field(default_factory=dict)
+    """``logs[rank]``: that rank's stdout log (stderr beside it, ``.err``)."""
+
+    def log(self, rank: int, stream: str = "out") -> str:
+        """Full text a rank wrote to ``"out"`` (stdout) or ``"err"`` (stderr)."""
+        return log_path(self.run_dir, rank, stream).read_text(errors="replace")
+
+    def __repr__(self) -> str:
+        return (
+            f"LaunchResult(world_size={self.world_size}, backend={self.backend!r}, "
+            f"wall_time={self.wall_time:.2f}s, run_dir='{self.run_dir}')"
+        )
+
+
+def load_results(run_dir: str | Path) -> dict[int, Any]:
+    """Return values of the ranks that finished a run, read from its run dir (rank -> value)."""
+    run_dir = Path(run_dir)
+    out = {}
+    for path in sorted(run_dir.glob("rank*.result.pkl")):
+        rank = int(path.name[4:].split(".")[0])
+        record = read_record(run_dir, rank)
+        if record and record.get("ok"):
+            out[rank] = record["value"]
+    return out
+
+
+def _notice(msg: str) -> None:
+    if msg not in _notices:
+        _notices.add(msg)
+        print(msg)
+
+
+def resolve_backend(
+    world_size: int, backend: str = "auto", device: str = "auto"
+) -> tuple[str, str]:
+    """Pick ``(backend, device_type)`` for ``world_size`` ranks on this node, or say what to change."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"backend must be one of {BACKENDS}, got {backend!r} (mpi is not supported)"
+        )
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and device == "cpu":
+        raise ValueError(
+            "nccl only moves GPU tensors: use backend='gloo' (or 'auto') with device='cpu'"
+        )
+    wants_gpu = device == "cuda" or backend == "nccl"
+    if wants_gpu and n_gpu < world_size:
+        raise ValueError(
+            f"world_size={world_size} but only {n_gpu} GPU(s) are visible: pass device='cpu' to "
+            f"simulate {world_size} ranks with gloo, or lower world_size to {max(n_gpu, 1)}."
+        )
+    if wants_gpu or (device == "auto" and backend == "auto" and n_gpu >= world_size):
+        if backend == "auto":
+            backend = "nccl" if torch.distributed.is_nccl_available() else "gloo"
+        return backend, "cuda"
+    reason = "no CUDA GPU is visible" if n_gpu == 0 else f"{n_gpu} GPU(s) for {world_size} ranks"
+    if device == "auto" and backend == "auto":
+        _notice(f"launch: running {world_size} rank(s) on CPU with gloo ({reason}).")
+    return "gloo", "cpu"
+
+
+def launch(
+    worker: Callable | str | os.PathLike,
+    world_size: int,
+    *,
+    backend: str = "auto",
+    device: str = "auto",
+    timeout: float = 900.0,
+    init_process_group: bool = True,
+    start_method: str = "auto",
+    argv: list[str] | None = None,
+    echo: bool = True,
+    runs_root: str | Path | None = None,
+    worker_kwargs: dict | None = None,
+    extras: dict | None = None,
+    **kwargs,
+) -> LaunchResult:
+    """Run ``worker(ctx, **kwargs)`` on ``world_size`` ranks, each a real process.
+
+    ``worker`` is a callable (a notebook function works: it is sent by value),
+    ``"package.module:function"``, or the path of a ``.py`` script (given
+    ``argv``). Each rank's output is echoed live as ``[rank r] ...``. On success
+    returns a :class:`LaunchResult`; if a rank raises, is killed or the job runs
+    past ``timeout`` seconds, every rank is stopped and a
+    :class:`~course_utils.launcher.errors.LaunchError` says which rank and why.
+
+    ``init_process_group=False`` leaves ``dist.init_process_group`` to the
+    worker (``ctx.init_method`` or ``env://`` both work). Keywords that clash
+    with launch's own names go in ``worker_kwargs``.
+    """
+    kwargs = {**kwargs, **(worker_kwargs or {})}
+    if not timeout or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    backend, device_type = resolve_backend(world_size, backend, device)
+    spec, name = build_spec(worker, kwargs, argv)
+    if spec["kind"] == "script":
+        init_process_group = False  # the script calls course_utils.dist.init() itself
+    try:
+        kwargs_blob = cloudpickle.dumps(kwargs)
+    except Exception as e:
+        raise TypeError(f"the keyword arguments for the worker cannot be pickled: {e}") from e
+    mp_ctx = _procs.get_context(start_method)
+    run_dir = new_run_dir(name, runs_root)
+    payload = {
+        "spec": spec,
+        "kwargs": cloudpickle.loads(kwargs_blob),
+        "world_size": world_size,
+        "local_world_size": world_size,
+        "backend": backend,
+        "device_type": device_type,
+        "threads": cpu_threads_per_rank(world_size),
+        "env": dict(os.environ),
+        "master_port": _procs.free_loopback_port(),
+        "gloo_ifname": _procs.loopback_ifname(),
+        "launcher_pid": os.getpid(),
+        "init_process_group": init_process_group,
+        "pg_timeout": timeout + 60.0,
+        "extras": extras or {},
+    }
+    (run_dir / PAYLOAD).write_bytes(cloudpickle.dumps(payload))
+    meta = {
+        "worker": name,
+        "world_size": world_size,
+        "backend": backend,
+        "device": device_type,
+        "start_method": mp_ctx.get_start_method(),
+        "started": time.time(),
+        "status": "running",
+    }
+    write_json(run_dir / "launch.json", meta)
+
+    t0 = time.perf_counter()
+    tails = []
+    for r in range(world_size):
+        prefix = f"[rank {r}] " if world_size > 1 else "[rank 0] "
+        tails.append(Tail(log_path(run_dir, r, "out"), prefix, sys.stdout if echo else None))
+        tails.append(Tail(log_path(run_dir, r, "err"), prefix, sys.stderr if echo else None))
+    procs = {}
+    status = "failed"
+    try:
+        with _procs.no_main_reimport():
+            for r in range(world_size):
+                p = mp_ctx.Process(
+                    target=rank_main, args=(str(run_dir), r), name=f"rank{r}", daemon=False
+                )
+                p.start()
+                procs[r] = p
+        results = supervise(procs, run_dir, timeout, tails)
+        status = "ok"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        interrupted_notice(world_size, run_dir)
+        raise
+    except BaseException as e:
+        status = type(e).__name__
+        raise
+    finally:
+        from .supervise import stop
+
+        stop(procs)
+        meta.update(
+            status=status,
+            wall_time=time.perf_counter() - t0,
+            pids={r: p.pid for r, p in procs.items()},
+            exitcodes={r: p.exitcode for r, p in procs.items()},
+        )
+        write_json(run_dir / "launch.json", meta)
+    return LaunchResult(
+        results=[results[r] for r in range(world_size)],
+        run_dir=run_dir,
+        world_size=world_size,
+        backend=backend,
+        device=device_type,
+        wall_time=time.perf_counter() - t0,
+        logs={r: log_path(run_dir, r, "out") for r in range(world_size)},
+    )
+
+
+__all__ = ["LaunchResult", "launch", "load_results", "resolve_backend", "read_record"]

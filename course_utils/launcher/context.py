@@ -1,0 +1,61 @@
+"""What a rank knows about itself: the ``ctx`` every worker receives.
+
+The same :class:`RankContext` is built by :func:`course_utils.launch` (notebook
+ranks) and by :func:`course_utils.dist.init` (``torchrun`` / ``srun`` scripts),
+so a worker written against it runs unchanged under all three.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class RankContext:
+    """One rank's view of the job."""
+
+    rank: int
+    """Global rank, ``0 <= rank < world_size``."""
+    world_size: int
+    """Number of ranks in the job."""
+    local_rank: int
+    """Rank within this node; picks the GPU (``cuda:local_rank``)."""
+    device: torch.device
+    """Where this rank computes: ``cuda:<local_rank>`` with NCCL, ``cpu`` with gloo."""
+    backend: str
+    """The torch.distributed backend: ``"nccl"`` or ``"gloo"``."""
+    run_dir: Path
+    """Folder shared by all ranks of this run: logs, results, traces."""
+    local_world_size: int = 1
+    """Ranks on this node."""
+    init_method: str | None = None
+    """URL for a hand-written ``init_process_group`` (``file://...`` under launch)."""
+    extras: dict = field(default_factory=dict)
+    """Free-form per-run values other course_utils modules attach (e.g. profiling)."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that prints summaries and writes checkpoints."""
+        return self.rank == 0
+
+    def print0(self, *args, **kwargs) -> None:
+        """``print`` on rank 0 only."""
+        if self.rank == 0:
+            print(*args, **kwargs)
+
+    def path(self, name: str) -> Path:
+        """A file name in the run dir, tagged with this rank: ``path("loss.pt")`` -> ``rank1.loss.pt``."""
+        return self.run_dir / f"rank{self.rank}.{name}"
+
+
+def cpu_threads_per_rank(local_world_size: int) -> int:
+    """Cores this process may use, split evenly between the ranks on the node (at least 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_world_size))

@@ -1,0 +1,213 @@
+"""The entry point of one launched rank (runs in the child process).
+
+Order of events in a rank, each step there for a reason:
+
+1. stdout/stderr (the file descriptors, so C++ and NCCL output too) go to
+   ``rank{r}.out`` / ``rank{r}.err`` in the run dir; the launcher tails them.
+2. The launcher's environment is applied (a forkserver child would otherwise
+   see the environment of the moment the forkserver started), plus the usual
+   ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` variables.
+3. ``faulthandler`` answers SIGUSR1 with every thread's Python stack, so a hung
+   collective can be shown; a watchdog thread ends the rank if the launcher dies.
+4. Threads: ``torch.set_num_threads(cores // ranks_on_node)``.
+5. The process group is initialised from a FileStore in the run dir.
+6. The worker runs; its return value (or its exception) is written atomically.
+7. ``os._exit``: gloo threads still alive after ``destroy_process_group`` can
+   abort a normally ending interpreter (SIGABRT, "terminate called without an
+   active exception"); the result is already on disk, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from .context import RankContext
+
+PAYLOAD = "payload.pkl"
+STORE = "rendezvous"
+
+
+def result_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / f"rank{rank}.result.pkl"
+
+
+def log_path(run_dir: Path, rank: int, stream: str = "out") -> Path:
+    return Path(run_dir) / f"rank{rank}.{stream}"
+
+
+def stacks_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / f"rank{rank}.stacks.txt"
+
+
+def _redirect_output(run_dir: Path, rank: int) -> None:
+    for fd, stream in ((1, "out"), (2, "err")):
+        f = os.open(log_path(run_dir, rank, stream), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+
+
+def _watch_launcher(pid: int) -> None:
+    """End this rank when the launching process is gone (kernel killed, terminal closed)."""
+
+    def loop() -> None:
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(3)
+            except PermissionError:
+                pass
+
+    threading.Thread(target=loop, name="course-launcher-watchdog", daemon=True).start()
+
+
+def _init_process_group(ctx: RankContext, timeout_s: float) -> None:
+    store = dist.FileStore(str(ctx.run_dir / STORE), ctx.world_size)
+    kwargs = dict(backend=ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size)
+    kwargs["timeout"] = timedelta(seconds=timeout_s)
+    if ctx.device.type == "cuda":
+        kwargs["device_id"] = ctx.device  # eager NCCL init, torch >= 2.3
+    try:
+        dist.init_process_group(**kwargs)
+    except TypeError:  # older torch without device_id
+        kwargs.pop("device_id", None)
+        dist.init_process_group(**kwargs)
+
+
+def _call(spec: dict, ctx: RankContext, kwargs: dict):
+    kind = spec["kind"]
+    if kind == "value":
+        fn = cloudpickle.loads(spec["fn"])
+        return fn(ctx, **kwargs)
+    if kind == "ref":
+        from .spec import resolve_ref
+
+        return resolve_ref(spec["ref"])(ctx, **kwargs)
+    # a script, run as __main__ with its own argv
+    sys.argv = [spec["path"], *spec["argv"]]
+    try:
+        runpy.run_path(spec["path"], run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    return None
+
+
+def _dumps_result(rank: int, record: dict) -> bytes:
+    try:
+        return cloudpickle.dumps(record)
+    except Exception as e:  # any pickling failure is reported the same way
+        value = record.get("value")
+        msg = (
+            f"rank {rank} returned a value of type {type(value).__module__}.{type(value).__qualname__} "
+            f"that cannot be pickled ({type(e).__name__}: {e}). Return plain data instead: "
+            "numbers, lists, dicts, numpy arrays or CPU tensors (tensor.detach().cpu())."
+        )
+        print(msg, file=sys.stderr)
+        return cloudpickle.dumps(
+            {
+                "ok": False,
+                "exc_type": "TypeError",
+                "message": msg,
+                "traceback": msg,
+                "time": time.time(),
+            }
+        )
+
+
+def rank_main(run_dir: str, rank: int) -> None:
+    """Run one rank of the job stored in ``run_dir``; never returns."""
+    run_dir = Path(run_dir)
+    _redirect_output(run_dir, rank)
+    payload = cloudpickle.loads((run_dir / PAYLOAD).read_bytes())
+    local_rank = rank % payload["local_world_size"]
+    os.environ.clear()
+    os.environ.update(payload["env"])
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(payload["world_size"]),
+        LOCAL_WORLD_SIZE=str(payload["local_world_size"]),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(payload["master_port"]),
+        OMP_NUM_THREADS=str(payload["threads"]),
+        COURSE_RUN_DIR=str(run_dir),
+        COURSE_BACKEND=payload["backend"],
+        COURSE_INIT_METHOD=f"file://{run_dir / STORE}",
+    )
+    if payload.get("gloo_ifname") and "GLOO_SOCKET_IFNAME" not in payload["env"]:
+        os.environ["GLOO_SOCKET_IFNAME"] = payload["gloo_ifname"]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when ranks stop
+    stacks = open(stacks_path(run_dir, rank), "w")  # noqa: SIM115 - must outlive this frame
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    _watch_launcher(payload["launcher_pid"])
+    torch.set_num_threads(payload["threads"])
+
+    device = (
+        torch.device(payload["device_type"], local_rank)
+        if payload["device_type"] == "cuda"
+        else torch.device("cpu")
+    )
+    ctx = RankContext(
+        rank=rank,
+        world_size=payload["world_size"],
+        local_rank=local_rank,
+        device=device,
+        backend=payload["backend"],
+        run_dir=run_dir,
+        local_world_size=payload["local_world_size"],
+        init_method=os.environ["COURSE_INIT_METHOD"],
+        extras=dict(payload.get("extras", {})),
+    )
+    ok = False
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if payload["init_process_group"]:
+            _init_process_group(ctx, payload["pg_timeout"])
+        value = _call(payload["spec"], ctx, payload["kwargs"])
+        record = {"ok": True, "value": value, "time": time.time()}
+        ok = True
+    except BaseException as e:  # report everything, SystemExit included
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr, end="")
+        record = {
+            "ok": False,
+            "exc_type": type(e).__name__,
+            "message": str(e),
+            "traceback": tb,
+            "time": time.time(),
+        }
+    blob = _dumps_result(rank, record)
+    ok = ok and cloudpickle.loads(blob)["ok"]
+    tmp = result_path(run_dir, rank).with_suffix(".tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, result_path(run_dir, rank))
+    if ok and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # the result is safe; say it in the log only
+            print(f"destroy_process_group failed after the result was saved: {e}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)

@@ -1,0 +1,42 @@
+"""The notebook path for real: a Jupyter kernel whose cell defines a worker and an nn.Module."""
+
+from __future__ import annotations
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+pytestmark = [pytest.mark.notebook, pytest.mark.multiprocess]
+
+CELLS = [
+    "import torch, torch.distributed as dist\nfrom torch import nn\nfrom course_utils import launch",
+    """class Doubler(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((3,), 2.0))
+    def forward(self, x):
+        return self.w * x
+
+def worker(ctx, steps=2):
+    model = Doubler().to(ctx.device)
+    x = torch.ones(3) * (ctx.rank + 1)
+    for _ in range(steps):
+        y = model(x)
+        dist.all_reduce(y)
+    print("rank", ctx.rank, "sum", y.sum().item())
+    return {"sum": y.sum().item(), "cls": type(model).__name__}""",
+    "res = launch(worker, world_size=2, steps=3)\nres.results",
+    "assert res.results[1] == {'sum': 18.0, 'cls': 'Doubler'}, res.results\nassert res.run_dir.exists()",
+]
+
+
+def test_cell_defined_worker_and_module_run_as_ranks(runs_root, tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
+    NotebookClient(
+        nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    launch_out = "".join(
+        o.get("text", "") for o in nb.cells[2].outputs if o.output_type == "stream"
+    )
+    assert "[rank 0] rank 0 sum 18.0" in launch_out and "[rank 1] rank 1 sum 18.0" in launch_out
