@@ -192,7 +192,10 @@ def test_unpicklable_worker_is_refused_before_start(runs_root):
 def returns_unpicklable(ctx):
     import threading as th
 
-    return th.Lock() if ctx.rank == 1 else "fine"
+    if ctx.rank == 1:
+        time.sleep(1.0)  # rank 0 has returned by then
+        return th.Lock()
+    return "fine"
 
 
 def test_unpicklable_return_names_rank_and_type(runs_root):

@@ -24,7 +24,7 @@ from .context import cpu_threads_per_rank
 from .rank import PAYLOAD, log_path, rank_main
 from .rundir import new_run_dir, write_json
 from .spec import build_spec
-from .supervise import Tail, interrupted_notice, read_record, supervise
+from .supervise import Tail, interrupted_notice, read_record, stop, supervise
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
@@ -206,8 +206,6 @@ def launch(
         status = type(e).__name__
         raise
     finally:
-        from .supervise import stop
-
         stop(procs)
         meta.update(
             status=status,

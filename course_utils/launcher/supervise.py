@@ -93,6 +93,15 @@ def stop(procs: dict, grace: float = 1.0) -> None:
             p.join(5)
 
 
+def harvest(procs: dict, run_dir: Path, results: dict, skip: int | None = None) -> None:
+    """Keep the results of ranks that saved theirs but had not exited when the others were stopped."""
+    for r in procs:
+        if r not in results and r != skip:
+            record = read_record(run_dir, r)
+            if record is not None and record.get("ok"):
+                results[r] = record["value"]
+
+
 def dump_stacks(procs: dict, run_dir: Path, wait_s: float = 2.0) -> dict[int, str]:
     """Ask every live rank for its Python stacks (faulthandler on SIGUSR1) and read them back."""
     alive = {r: p for r, p in procs.items() if p.exitcode is None}
@@ -162,6 +171,7 @@ def supervise(procs: dict, run_dir: Path, timeout: float, tails: list[Tail]) -> 
             if failed:
                 _, rank, record = min(failed)
                 stop(procs)
+                harvest(procs, run_dir, results, skip=rank)
                 msg, sig = _failure_message(rank, procs[rank], record, run_dir)
                 others = sorted(set(procs) - {rank} - set(results))
                 msg += (
@@ -172,6 +182,7 @@ def supervise(procs: dict, run_dir: Path, timeout: float, tails: list[Tail]) -> 
             if time.monotonic() > deadline:
                 stacks = dump_stacks({r: procs[r] for r in pending}, run_dir)
                 stop(procs)
+                harvest(procs, run_dir, results)
                 text = "\n".join(
                     f"--- rank {r} ---\n{s.rstrip()}" for r, s in sorted(stacks.items())
                 )

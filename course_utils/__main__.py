@@ -1,0 +1,77 @@
+"""Command line: ``python -m course_utils {doctor,data,bench,course}``.
+
+python -m course_utils doctor [--json]
+python -m course_utils data download --root DIR [--datasets cifar10 fashionmnist]
+python -m course_utils bench launch --world-size 4 [--rounds 5]
+python -m course_utils course --out build [--size ci|cpu|gpu] [--only 01]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m course_utils", description=__doc__.splitlines()[0]
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("doctor", help="check this node: GPUs, interconnect, backends, data, size")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-checks", action="store_true", help="skip the all_reduce runs")
+
+    p = sub.add_parser("data", help="stage datasets")
+    dsub = p.add_subparsers(dest="data_cmd", required=True)
+    d = dsub.add_parser(
+        "download", help="download datasets into a folder (run on a node with internet)"
+    )
+    d.add_argument("--root", required=True, help="target folder; point COURSE_DATA_DIR at it")
+    d.add_argument(
+        "--datasets", nargs="*", default=None, help="cifar10 cifar100 fashionmnist (default: all)"
+    )
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench_cmd", required=True)
+    b = bsub.add_parser("launch", help="launch overhead: launch vs raw spawn vs torchrun")
+    b.add_argument("--world-size", type=int, default=4)
+    b.add_argument("--rounds", type=int, default=5)
+    b.add_argument("--later", type=int, default=5, help="later launches timed per fresh process")
+    b.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("course", help="execute every notebook into build/ with a timing table")
+    p.add_argument("--out", default="build")
+    p.add_argument("--size", choices=["ci", "cpu", "gpu"], default=None)
+    p.add_argument("--only", nargs="*", default=None, help="notebook prefixes, e.g. 01 03")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
+
+    args = parser.parse_args(argv)
+    if args.cmd == "doctor":
+        from . import doctor
+
+        return doctor.main(as_json=args.json, run_checks=not args.no_checks)
+    if args.cmd == "data":
+        from .data import data_root, download
+
+        status = download(args.root, args.datasets)
+        for name, st in status.items():
+            print(f"{name}: {st}")
+        print(f"Point the course at it: export COURSE_DATA_DIR={data_root(args.root)}")
+        return 0 if all(s == "ok" for s in status.values()) else 1
+    if args.cmd == "bench":
+        from .bench import launch as bench_launch
+
+        result = bench_launch.run(args.world_size, args.rounds, args.later)
+        print(json.dumps(result, indent=2) if args.json else bench_launch.table(result))
+        return 0
+    if args.cmd == "course":
+        from . import course
+
+        return course.main(args.out, args.size, args.only, args.timeout)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``python -m course_utils bench ...``; results go to benchmarks/RESULTS.md."""

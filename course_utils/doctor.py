@@ -1,0 +1,175 @@
+"""``python -m course_utils doctor``: what this node can run, checked for real.
+
+It reports versions, GPUs and their interconnect, CPU cores, the data found,
+the size the notebooks will pick, and for each backend runs a real all_reduce
+through :func:`course_utils.launch` (gloo: 2 CPU ranks; nccl: one rank per GPU,
+up to 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .data import DATASETS, data_root, load_dataset
+from .launcher import launch
+from .launcher.rundir import runs_root
+from .sizes import default_size_name, get_size
+
+
+def _gpus() -> list[dict]:
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append(
+            {
+                "index": i,
+                "name": p.name,
+                "memory_gib": round(p.total_memory / 2**30, 1),
+                "capability": f"{p.major}.{p.minor}",
+            }
+        )
+    return out
+
+
+def _topology() -> str | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        return subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20
+        ).stdout.strip()
+    except (subprocess.SubprocessError, OSError) as e:
+        return f"nvidia-smi topo -m failed: {e}"
+
+
+def _check_backend(backend: str, world_size: int) -> dict:
+    t0 = time.perf_counter()
+    try:
+        res = launch(
+            "course_utils.launcher.demo:hello",
+            world_size,
+            backend=backend,
+            device="cuda" if backend == "nccl" else "cpu",
+            echo=False,
+            timeout=120,
+        )
+        expected = world_size * (world_size + 1) / 2
+        ok = all(r["sum"] == expected for r in res.results)
+        status = "ok" if ok else f"wrong sum {[r['sum'] for r in res.results]}, expected {expected}"
+    except Exception as e:
+        status = f"failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+    return {
+        "world_size": world_size,
+        "all_reduce": status,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def collect(run_checks: bool = True) -> dict:
+    """Everything the doctor reports, as a dict (``--json`` prints it as is)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    nccl = None
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    try:
+        import torchvision
+
+        tv = torchvision.__version__
+    except Exception as e:  # a broken torchvision install is exactly what the doctor should say
+        tv = f"import failed: {e}"
+    gpus = _gpus()
+    info = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torchvision": tv,
+        "cuda_runtime": torch.version.cuda,
+        "nccl": nccl,
+        "gpus": gpus,
+        "interconnect": _topology(),
+        "cpu_cores": cores,
+        "backends": {
+            "gloo": dist.is_gloo_available(),
+            "nccl": dist.is_nccl_available(),
+            "mpi": dist.is_mpi_available(),
+        },
+        "size": get_size().asdict()
+        | {"chosen_by": "COURSE_SIZE" if os.environ.get("COURSE_SIZE") else "auto"},
+        "data_dir": str(data_root()),
+        "runs_dir": str(runs_root()),
+        "data": {
+            name: "absent (synthetic stand-in)"
+            if load_dataset(name, limit=1, verify=False).synthetic
+            else "present"
+            for name in DATASETS
+        },
+        "checks": {},
+    }
+    if run_checks:
+        if dist.is_gloo_available():
+            info["checks"]["gloo"] = _check_backend("gloo", 2)
+        if gpus and dist.is_nccl_available():
+            info["checks"]["nccl"] = _check_backend("nccl", min(2, len(gpus)))
+    return info
+
+
+def render(info: dict) -> str:
+    """The report as a person reads it."""
+    lines = [
+        f"Python {info['python']} on {info['platform']}",
+        f"torch {info['torch']}, torchvision {info['torchvision']}, CUDA runtime {info['cuda_runtime'] or '-'}, "
+        f"NCCL {info['nccl'] or '-'}",
+        f"CPU cores usable: {info['cpu_cores']}",
+    ]
+    if info["gpus"]:
+        lines.append(f"GPUs: {len(info['gpus'])}")
+        lines += [
+            f"  cuda:{g['index']}  {g['name']}  {g['memory_gib']} GiB  (sm {g['capability']})"
+            for g in info["gpus"]
+        ]
+    else:
+        lines.append("GPUs: none visible. Multi-rank notebooks run as CPU processes with gloo.")
+    if info["interconnect"]:
+        lines += [
+            "GPU interconnect (nvidia-smi topo -m):",
+            *("  " + ln for ln in info["interconnect"].splitlines()),
+        ]
+    lines.append("Backends compiled in: " + ", ".join(k for k, v in info["backends"].items() if v))
+    for backend, check in info["checks"].items():
+        lines.append(
+            f"  {backend}: {check['world_size']}-rank all_reduce {check['all_reduce']} ({check['seconds']} s)"
+        )
+    s = info["size"]
+    lines.append(
+        f"Size: {s['name']} (by {s['chosen_by']}; set COURSE_SIZE=ci|cpu|gpu to change): "
+        f"{s['train_samples']} training images, batch {s['batch_size']}, width {s['width']}, "
+        f"{s['world_size']} ranks"
+    )
+    lines.append(f"Data dir: {info['data_dir']}")
+    lines += [f"  {name}: {state}" for name, state in info["data"].items()]
+    lines.append(f"Run dirs: {info['runs_dir']}")
+    return "\n".join(lines)
+
+
+def main(as_json: bool = False, run_checks: bool = True) -> int:
+    info = collect(run_checks)
+    print(json.dumps(info, indent=2) if as_json else render(info))
+    failed = [b for b, c in info["checks"].items() if c["all_reduce"] != "ok"]
+    return 1 if failed else 0
+
+
+__all__ = ["collect", "render", "main", "default_size_name"]

@@ -1,0 +1,118 @@
+"""Measuring a training step: phase timers, activation memory, throughput.
+
+The notebooks write the training step; these helpers only time and count it,
+the same way on CPU and GPU. Taught first in notebook 01.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued GPU work; a no-op on CPU (CPU ops run eagerly)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Seconds spent per phase of a step.
+
+    CUDA kernels run asynchronously: without a synchronize, time lands in
+    whichever later phase happens to wait. Each phase therefore synchronizes
+    at its start and end, which is right for a breakdown but slows the step
+    a little; measure throughput without it (:func:`time_steps`).
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.times: dict[str, list[float]] = defaultdict(list)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize(self.device)
+            self.times[name].append(time.perf_counter() - t0)
+
+    def mean(self, skip: int = 0) -> dict[str, float]:
+        """Mean seconds per phase, leaving out the first ``skip`` (warm-up) steps."""
+        return {k: statistics.fmean(v[skip:] or v) for k, v in self.times.items()}
+
+
+@contextlib.contextmanager
+def saved_activations():
+    """Count the bytes autograd keeps for backward (activations), parameters excluded.
+
+    ``with saved_activations() as mem: loss = model(x).sum()`` then
+    ``mem["bytes"]``. Storage shared by several saved tensors is counted once.
+    The count is the same on CPU and GPU, unlike allocator statistics.
+    """
+    seen: set[int] = set()
+    box = {"bytes": 0, "tensors": 0}
+
+    def pack(t: torch.Tensor):
+        if not isinstance(t, nn.Parameter):
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in seen:
+                seen.add(key)
+                box["bytes"] += storage.nbytes()
+                box["tensors"] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield box
+
+
+def time_steps(
+    step: Callable[[], object], steps: int, warmup: int, device: torch.device | str
+) -> list[float]:
+    """Run ``step()`` ``warmup`` times untimed, then time ``steps`` calls one by one (seconds each)."""
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def peak_memory(device: torch.device | str) -> int | None:
+    """Peak bytes allocated by tensors on a CUDA device since the last reset; None on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return None
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def fmt_bytes(n: float | None) -> str:
+    """``1536`` -> ``'1.5 KiB'``; ``None`` -> ``'n/a'``."""
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

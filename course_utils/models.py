@@ -1,0 +1,64 @@
+"""Models used across the notebooks. Ordinary single-device ``nn.Module``s: parallelism
+is applied to them from outside (STYLE.md, "Models stay single-device")."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convs with a residual connection (He et al., 2016)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x):  # (B, c_in, H, W) -> (B, c_out, H/stride, W/stride)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    """A ResNet-style CNN for 32x32 (CIFAR) or 28x28 (FashionMNIST) images.
+
+    Stem conv -> three stages of ``blocks`` BasicBlocks (width w, 2w, 4w; the
+    last two halve the resolution) -> global average pool -> linear classifier.
+    ``width=64, blocks=2`` is ResNet-18's layout on CIFAR without its fourth stage.
+    """
+
+    def __init__(
+        self, num_classes: int = 10, width: int = 16, blocks: int = 1, in_channels: int = 3
+    ):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+        )
+        layers, c = [], width
+        for i, c_out in enumerate((width, 2 * width, 4 * width)):
+            for j in range(blocks):
+                layers.append(BasicBlock(c, c_out, stride=2 if (i > 0 and j == 0) else 1))
+                c = c_out
+        self.layers = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(c, num_classes)
+
+    def forward(self, x):  # (B, C, H, W) -> (B, num_classes)
+        x = self.layers(self.stem(x))  # (B, 4w, H/4, W/4)
+        return self.fc(self.pool(x).flatten(1))  # (B, num_classes)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,132 @@
+"""Problem sizes: one switch for every notebook and workload.
+
+``ci`` is tiny (seconds, for nbval on 2 CPU cores), ``cpu`` is meaningful on a
+laptop, ``gpu`` is the full course. ``COURSE_SIZE`` picks one; otherwise
+``gpu`` when CUDA is available, else ``cpu``::
+
+    from course_utils.sizes import get_size
+    size = get_size()          # Size(name='cpu', ...)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+SIZE_ENV = "COURSE_SIZE"
+
+
+@dataclass(frozen=True)
+class Size:
+    """Problem sizes shared by every notebook."""
+
+    name: str
+    """``"ci"``, ``"cpu"`` or ``"gpu"``."""
+    train_samples: int
+    """Training images used per epoch (a prefix of the dataset)."""
+    test_samples: int
+    """Test images used for evaluation."""
+    batch_size: int
+    """Global batch size (split across ranks in the data-parallel notebooks)."""
+    epochs: int
+    """Epochs of the baseline training run in notebook 01."""
+    width: int
+    """Channels of the first ResNet stage (the model doubles them per stage)."""
+    bench_steps: int
+    """Timed steps per configuration in throughput measurements (after warm-up)."""
+    warmup_steps: int
+    """Untimed steps before timing (allocator, cuDNN autotune, compile)."""
+    world_size: int
+    """Ranks the multi-rank demos start by default."""
+    num_workers: int
+    """DataLoader worker processes in the data-loading experiments (0 = load in the main process)."""
+    compile: bool
+    """Whether notebooks try ``torch.compile`` (slow to compile on small CPU nodes)."""
+
+    def __post_init__(self):
+        for name in (
+            "train_samples",
+            "test_samples",
+            "batch_size",
+            "epochs",
+            "width",
+            "bench_steps",
+            "world_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"Size {self.name!r}: {name} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.batch_size > self.train_samples:
+            raise ValueError(
+                f"Size {self.name!r}: batch_size={self.batch_size} exceeds train_samples={self.train_samples}"
+            )
+        if self.warmup_steps < 0 or self.num_workers < 0:
+            raise ValueError(f"Size {self.name!r}: warmup_steps and num_workers must be >= 0")
+
+    def asdict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, Size] = {
+    "ci": Size(
+        "ci",
+        train_samples=1024,
+        test_samples=256,
+        batch_size=64,
+        epochs=2,
+        width=8,
+        bench_steps=3,
+        warmup_steps=1,
+        world_size=2,
+        num_workers=0,
+        compile=False,
+    ),
+    "cpu": Size(
+        "cpu",
+        train_samples=8192,
+        test_samples=2048,
+        batch_size=128,
+        epochs=3,
+        width=16,
+        bench_steps=10,
+        warmup_steps=2,
+        world_size=2,
+        num_workers=2,
+        compile=False,
+    ),
+    "gpu": Size(
+        "gpu",
+        train_samples=50000,
+        test_samples=10000,
+        batch_size=256,
+        epochs=5,
+        width=64,
+        bench_steps=50,
+        warmup_steps=10,
+        world_size=4,
+        num_workers=4,
+        compile=True,
+    ),
+}
+
+
+def default_size_name() -> str:
+    """``$COURSE_SIZE`` if set, else ``gpu`` with CUDA, else ``cpu``."""
+    env = os.environ.get(SIZE_ENV)
+    if env:
+        return env
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def get_size(name: str | None = None) -> Size:
+    """The preset called ``name`` (default: :func:`default_size_name`)."""
+    name = name or default_size_name()
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown size {name!r}: choose one of {sorted(PRESETS)} (env {SIZE_ENV})"
+        ) from None
