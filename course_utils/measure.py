@@ -63,7 +63,8 @@ def saved_activations():
     box = {"bytes": 0, "tensors": 0}
 
     def pack(t: torch.Tensor):
-        if not isinstance(t, nn.Parameter):
+        base = t if t._base is None else t._base  # linear saves weight.t(), a view of the Parameter
+        if not isinstance(base, nn.Parameter):
             storage = t.untyped_storage()
             key = storage.data_ptr()
             if key not in seen:

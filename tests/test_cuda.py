@@ -1,0 +1,52 @@
+"""GPU paths: NCCL ranks, CUDA after the parent touched CUDA, AMP memory. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_utils import launch
+from course_utils.measure import saved_activations
+from course_utils.models import SmallResNet
+from tests.conftest import requires_cuda
+
+pytestmark = [pytest.mark.cuda, requires_cuda]
+
+
+def gpu_worker(ctx):
+    x = torch.randn(256, 256, device=ctx.device)
+    y = (x @ x).sum()
+    dist.all_reduce(y)
+    return {
+        "device": str(ctx.device),
+        "backend": dist.get_backend(),
+        "finite": bool(torch.isfinite(y)),
+    }
+
+
+@pytest.mark.multiprocess
+def test_nccl_ranks_after_parent_initialised_cuda(runs_root):
+    torch.ones(1, device="cuda")  # the parent (a notebook) already has a CUDA context
+    n = torch.cuda.device_count()
+    res = launch(gpu_worker, n, echo=False)
+    assert res.backend == "nccl" and res.device == "cuda"
+    assert [r["device"] for r in res.results] == [f"cuda:{i}" for i in range(n)]
+    assert all(r["backend"] == "nccl" and r["finite"] for r in res.results)
+
+
+@pytest.mark.multiprocess
+def test_more_ranks_than_gpus_falls_back_to_gloo_on_cpu(runs_root):
+    res = launch("course_utils.launcher.demo:hello", torch.cuda.device_count() + 1, echo=False)
+    assert res.backend == "gloo" and res.device == "cpu"
+
+
+def test_bf16_autocast_halves_activation_memory_on_gpu():
+    model = SmallResNet(width=16).cuda()
+    x = torch.randn(32, 3, 32, 32, device="cuda")
+    with saved_activations() as fp32:
+        model(x).sum()
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    with torch.autocast("cuda", dtype=dtype), saved_activations() as low:
+        model(x).float().sum()
+    assert low["bytes"] < 0.75 * fp32["bytes"]
