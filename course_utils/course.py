@@ -17,8 +17,8 @@ from pathlib import Path
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-def find_notebooks(folder: Path = NOTEBOOK_DIR, only: list[str] | None = None) -> list[Path]:
-    found = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+def find_notebooks(folder: Path | None = None, only: list[str] | None = None) -> list[Path]:
+    found = sorted((folder or NOTEBOOK_DIR).glob("[0-9][0-9]_*.ipynb"))
     if only:
         found = [nb for nb in found if any(nb.name.startswith(o) or o in nb.stem for o in only)]
     return found
@@ -63,7 +63,7 @@ def main(
 
     notebooks = find_notebooks(only=only)
     if not notebooks:
-        print(f"no notebooks matched under {NOTEBOOK_DIR}")
+        print(f"no notebooks matched under {NOTEBOOK_DIR} (only={only})")
         return 1
     out_dir = Path(out).resolve()
     print(f"Executing {len(notebooks)} notebook(s) at size '{get_size().name}' into {out_dir}")
