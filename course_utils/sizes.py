@@ -44,6 +44,8 @@ class Size:
     """DataLoader worker processes in the data-loading experiments (0 = load in the main process)."""
     compile: bool
     """Whether notebooks try ``torch.compile`` (slow to compile on small CPU nodes)."""
+    max_message_bytes: int
+    """Largest message in the collective benchmarks."""
 
     def __post_init__(self):
         for name in (
@@ -62,6 +64,10 @@ class Size:
         if self.batch_size > self.train_samples:
             raise ValueError(
                 f"Size {self.name!r}: batch_size={self.batch_size} exceeds train_samples={self.train_samples}"
+            )
+        if self.max_message_bytes < 1024:
+            raise ValueError(
+                f"Size {self.name!r}: max_message_bytes must be >= 1024, got {self.max_message_bytes}"
             )
         if self.warmup_steps < 0 or self.num_workers < 0:
             raise ValueError(f"Size {self.name!r}: warmup_steps and num_workers must be >= 0")
@@ -83,6 +89,7 @@ PRESETS: dict[str, Size] = {
         world_size=2,
         num_workers=0,
         compile=False,
+        max_message_bytes=1 << 20,
     ),
     "cpu": Size(
         "cpu",
@@ -96,6 +103,7 @@ PRESETS: dict[str, Size] = {
         world_size=2,
         num_workers=2,
         compile=False,
+        max_message_bytes=16 << 20,
     ),
     "gpu": Size(
         "gpu",
@@ -109,6 +117,7 @@ PRESETS: dict[str, Size] = {
         world_size=4,
         num_workers=4,
         compile=True,
+        max_message_bytes=256 << 20,
     ),
 }
 

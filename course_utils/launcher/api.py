@@ -19,12 +19,13 @@ from typing import Any
 import cloudpickle
 import torch
 
+from ..profiling.capture import ProfileConfig
 from . import procs as _procs
 from .context import cpu_threads_per_rank
 from .rank import PAYLOAD, log_path, rank_main
 from .rundir import new_run_dir, write_json
 from .spec import build_spec
-from .supervise import Tail, interrupted_notice, read_record, stop, supervise
+from .supervise import Tail, interrupted_notice, not_noise, read_record, stop, supervise
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
@@ -47,6 +48,8 @@ class LaunchResult:
     """Seconds from the call to the last rank's exit, process start-up included."""
     logs: dict[int, Path] = field(default_factory=dict)
     """``logs[rank]``: that rank's stdout log (stderr beside it, ``.err``)."""
+    traces: dict[int, Path] = field(default_factory=dict)
+    """``traces[rank]``: that rank's profiler trace, with ``launch(..., profile=...)``."""
 
     def log(self, rank: int, stream: str = "out") -> str:
         """Full text a rank wrote to ``"out"`` (stdout) or ``"err"`` (stderr)."""
@@ -69,6 +72,26 @@ def load_results(run_dir: str | Path) -> dict[int, Any]:
         if record and record.get("ok"):
             out[rank] = record["value"]
     return out
+
+
+def _collect_traces(
+    run_dir: Path, world_size: int, profile: ProfileConfig | None
+) -> dict[int, Path]:
+    if profile is None:
+        return {}
+    traces = {}
+    for r in range(world_size):
+        found = sorted((run_dir / "traces").glob(f"rank{r}.*.pt.trace.json"))
+        if found:
+            traces[r] = found[-1]
+    missing = sorted(set(range(world_size)) - set(traces))
+    if missing:
+        print(
+            f"launch: ranks {missing} wrote no profiler trace. Call ctx.step() at the end of every "
+            f"training step, at least wait+warmup+active = {profile.steps_needed} times.",
+            file=sys.stderr,
+        )
+    return traces
 
 
 def _notice(msg: str) -> None:
@@ -124,6 +147,7 @@ def launch(
     runs_root: str | Path | None = None,
     worker_kwargs: dict | None = None,
     extras: dict | None = None,
+    profile: bool | ProfileConfig | None = None,
     **kwargs,
 ) -> LaunchResult:
     """Run ``worker(ctx, **kwargs)`` on ``world_size`` ranks, each a real process.
@@ -135,7 +159,9 @@ def launch(
     past ``timeout`` seconds, every rank is stopped and a
     :class:`~course_utils.launcher.errors.LaunchError` says which rank and why.
 
-    ``init_process_group=False`` leaves ``dist.init_process_group`` to the
+    ``profile=True`` (or a :class:`~course_utils.profiling.ProfileConfig`) records a
+    ``torch.profiler`` trace per rank, stepped by ``ctx.step()`` in the worker;
+    ``res.traces[rank]`` is its path. ``init_process_group=False`` leaves ``dist.init_process_group`` to the
     worker (``ctx.init_method`` or ``env://`` both work). Keywords that clash
     with launch's own names go in ``worker_kwargs``.
     """
@@ -150,6 +176,14 @@ def launch(
         kwargs_blob = cloudpickle.dumps(kwargs)
     except Exception as e:
         raise TypeError(f"the keyword arguments for the worker cannot be pickled: {e}") from e
+    if profile is True:
+        profile = ProfileConfig()
+    elif profile is False:
+        profile = None
+    elif profile is not None and not isinstance(profile, ProfileConfig):
+        raise TypeError(
+            f"profile must be True, False, None or a ProfileConfig, got {type(profile).__name__}"
+        )
     mp_ctx = _procs.get_context(start_method)
     run_dir = new_run_dir(name, runs_root)
     payload = {
@@ -167,6 +201,7 @@ def launch(
         "init_process_group": init_process_group,
         "pg_timeout": timeout + 60.0,
         "extras": extras or {},
+        "profile": profile,
     }
     (run_dir / PAYLOAD).write_bytes(cloudpickle.dumps(payload))
     meta = {
@@ -185,7 +220,9 @@ def launch(
     for r in range(world_size):
         prefix = f"[rank {r}] " if world_size > 1 else "[rank 0] "
         tails.append(Tail(log_path(run_dir, r, "out"), prefix, sys.stdout if echo else None))
-        tails.append(Tail(log_path(run_dir, r, "err"), prefix, sys.stderr if echo else None))
+        tails.append(
+            Tail(log_path(run_dir, r, "err"), prefix, sys.stderr if echo else None, not_noise)
+        )
     procs = {}
     status = "failed"
     try:
@@ -214,7 +251,9 @@ def launch(
             exitcodes={r: p.exitcode for r, p in procs.items()},
         )
         write_json(run_dir / "launch.json", meta)
+    traces = _collect_traces(run_dir, world_size, profile)
     return LaunchResult(
+        traces=traces,
         results=[results[r] for r in range(world_size)],
         run_dir=run_dir,
         world_size=world_size,

@@ -8,6 +8,7 @@ so a worker written against it runs unchanged under all three.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,18 @@ class RankContext:
     init_method: str | None = None
     """URL for a hand-written ``init_process_group`` (``file://...`` under launch)."""
     extras: dict = field(default_factory=dict)
-    """Free-form per-run values other course_utils modules attach (e.g. profiling)."""
+    """Free-form per-run values other course_utils modules attach."""
+    on_step: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    """Called by :meth:`step`; set by ``launch(profile=...)`` to drive the profiler."""
+
+    def step(self) -> None:
+        """Mark the end of one training step.
+
+        Drives the profiler under ``launch(..., profile=...)`` and does nothing
+        otherwise, so a worker can always call it.
+        """
+        if self.on_step is not None:
+            self.on_step()
 
     @property
     def is_main(self) -> bool:

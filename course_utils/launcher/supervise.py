@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -25,6 +26,19 @@ SIGNAL_HINTS = {
     "use num_workers=0 or ask for a larger /dev/shm",
     signal.SIGTERM: "something outside the launcher stopped it (a scheduler time limit, another user)",
 }
+
+
+# Lines the profiler (Kineto) and CUDA-less builds print on every profiled run. They stay in
+# the rank's .err log; the notebook cell shows only what the student's code printed.
+NOISE = re.compile(
+    r"^(USDT:|STAGE:|ERROR:\S* .*DeviceProperties\.cpp|WARNING:\S* .*(CuptiActivityApi|DeviceProperties)"
+    r"|.*gpuGetDeviceCount failed|.*Profiler clears events at the end of each cycle"
+    r"|\s+warnings\.warn\(|\s+_warn_once\()"
+)
+
+
+def not_noise(line: str) -> bool:
+    return NOISE.match(line) is None
 
 
 class Tail:

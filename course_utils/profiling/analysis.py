@@ -1,0 +1,274 @@
+"""Where each rank's time went: compute, communication, data loading, optimizer, idle.
+
+Every recorded step of every rank is cut into elementary time segments, and
+each segment gets exactly one class, so the classes add up to the step time:
+
+- CPU ranks (gloo): the training thread is the reference. Precedence:
+  data > optimizer > compute > communication > idle. Communication is the
+  gloo threads' collectives plus the training thread's own ``c10d::`` calls;
+  the part of it that runs while the training thread computes is *hidden*,
+  the rest is *exposed*.
+- GPU ranks (NCCL): the device is the reference. Precedence:
+  compute > communication > data > optimizer > idle. Compute is every kernel
+  and memory copy except NCCL's; communication is NCCL kernels; data and
+  optimizer are the CPU-side annotations while the GPU has nothing to run.
+
+Straggler: in synchronous data parallelism every rank waits for the slowest
+one inside a collective. Per step, the rank with the most non-communication
+work (compute + data + optimizer) is the straggler, and the others waited
+for it by the difference.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .trace import MARKER, STEP, Trace
+
+CLASSES = ("compute", "communication", "data", "optimizer", "idle")
+COMM = re.compile(r"^(gloo:|nccl:|c10d::|record_param_comms|nccl[A-Z]|ncclDevKernel|ncclKernel)")
+DATA = re.compile(r"^(enumerate\(DataLoader\)|data($|[\s_:.#/-]))", re.IGNORECASE)
+OPTIMIZER = re.compile(r"^(Optimizer\.(step|zero_grad)#|optimizer($|[\s_:.#/-]))", re.IGNORECASE)
+
+
+def classify_name(name: str) -> str | None:
+    """The class an event name stands for (``None`` for step and marker events)."""
+    if STEP.match(name) or name == MARKER:
+        return None
+    if COMM.match(name):
+        return "communication"
+    if DATA.match(name):
+        return "data"
+    if OPTIMIZER.match(name):
+        return "optimizer"
+    return "compute"
+
+
+def union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge intervals into sorted, disjoint ones."""
+    if len(starts) == 0:
+        return np.empty(0), np.empty(0)
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], np.maximum.accumulate(ends[order])
+    breaks = s[1:] > e[:-1]
+    return s[np.concatenate(([True], breaks))], e[np.concatenate((breaks, [True]))]
+
+
+def _inside(points: np.ndarray, u: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    s, e = u
+    if len(s) == 0:
+        return np.zeros(len(points), dtype=bool)
+    i = np.searchsorted(s, points, side="right") - 1
+    ok = i >= 0
+    out = np.zeros(len(points), dtype=bool)
+    out[ok] = points[ok] < e[i[ok]]
+    return out
+
+
+@dataclass
+class StepBreakdown:
+    """One rank's step, in milliseconds. ``compute + communication + data + optimizer + idle == step``;
+    ``communication`` is the exposed part, ``comm_total`` includes what overlapped with compute."""
+
+    rank: int
+    step: int
+    start_ms: float
+    step_ms: float
+    compute: float
+    communication: float
+    data: float
+    optimizer: float
+    idle: float
+    comm_total: float
+    segments: dict
+    """class -> (starts, ends) in ms on the common clock, for timelines."""
+
+    @property
+    def overlap(self) -> float:
+        """Fraction of communication hidden behind other work (0 when there was none)."""
+        return 0.0 if self.comm_total <= 0 else 1.0 - self.communication / self.comm_total
+
+    @property
+    def busy(self) -> float:
+        """Non-communication work: what the other ranks wait for."""
+        return self.compute + self.data + self.optimizer
+
+    def row(self) -> dict:
+        return {
+            k: getattr(self, k)
+            for k in (
+                "rank",
+                "step",
+                "step_ms",
+                "compute",
+                "communication",
+                "data",
+                "optimizer",
+                "idle",
+                "comm_total",
+            )
+        } | {"overlap": self.overlap}
+
+
+def _class_masks(t: Trace) -> dict[str, np.ndarray]:
+    cls = np.array([classify_name(n) or "" for n in t.names], dtype=object)[t.name_id]
+    return {c: cls == c for c in ("compute", "communication", "data", "optimizer")}
+
+
+def analyse_trace(t: Trace) -> list[StepBreakdown]:
+    """Break every recorded step of one rank into the five classes."""
+    masks = _class_masks(t)
+    on_gpu = t.lane_is_gpu[t.lane]
+    main = t.lane == t.main_lane
+    gpu = t.has_gpu
+    sources = {
+        "compute": masks["compute"] & (on_gpu if gpu else main),
+        "communication": masks["communication"] & (on_gpu if gpu else ~on_gpu),
+        "data": masks["data"] & ~on_gpu,
+        "optimizer": masks["optimizer"] & ~on_gpu,
+    }
+    order = (
+        ("compute", "communication", "data", "optimizer")
+        if gpu
+        else ("data", "optimizer", "compute", "communication")
+    )
+    out = []
+    for step, s0, s1 in t.steps:
+        win = (t.end > s0) & (t.start < s1)
+        unions = {
+            c: union(np.clip(t.start[m & win], s0, s1), np.clip(t.end[m & win], s0, s1))
+            for c, m in sources.items()
+        }
+        if not gpu:  # the training thread inside a c10d call is communicating, not computing
+            comm_main = masks["communication"] & main & win
+            if comm_main.any():
+                cs, ce = union(
+                    np.clip(t.start[comm_main], s0, s1), np.clip(t.end[comm_main], s0, s1)
+                )
+                unions["compute"] = _subtract(unions["compute"], (cs, ce))
+        bounds = np.unique(
+            np.concatenate([[s0, s1], *[np.concatenate(u) for u in unions.values()]])
+        )
+        bounds = bounds[(bounds >= s0) & (bounds <= s1)]
+        mids, lens = (bounds[:-1] + bounds[1:]) / 2, np.diff(bounds)
+        member = {c: _inside(mids, u) for c, u in unions.items()}
+        label = np.full(len(mids), "idle", dtype=object)
+        for c in reversed(order):  # lowest precedence first, overwritten by higher ones
+            label[member[c]] = c
+        ms = {c: float(lens[label == c].sum()) / 1e3 for c in CLASSES}
+        comm_total = float(lens[member["communication"]].sum()) / 1e3
+        segs = {}
+        for c in CLASSES:
+            sel = label == c
+            if sel.any():
+                us = union(bounds[:-1][sel], bounds[1:][sel])
+                segs[c] = ((us[0] + t.offset) / 1e3, (us[1] + t.offset) / 1e3)
+        out.append(
+            StepBreakdown(
+                rank=t.rank,
+                step=step,
+                start_ms=(s0 + t.offset) / 1e3,
+                step_ms=(s1 - s0) / 1e3,
+                comm_total=comm_total,
+                segments=segs,
+                **ms,
+            )
+        )
+    return out
+
+
+def _subtract(
+    a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint intervals ``a`` minus disjoint intervals ``b``."""
+    if len(a[0]) == 0 or len(b[0]) == 0:
+        return a
+    bounds = np.unique(np.concatenate([*a, *b]))
+    mids = (bounds[:-1] + bounds[1:]) / 2
+    keep = _inside(mids, a) & ~_inside(mids, b)
+    return union(bounds[:-1][keep], bounds[1:][keep])
+
+
+@dataclass
+class Analysis:
+    """Breakdowns of every rank and step, plus the cross-rank view."""
+
+    steps: list[StepBreakdown]
+    clock: str
+
+    def ranks(self) -> list[int]:
+        return sorted({b.rank for b in self.steps})
+
+    def step_numbers(self) -> list[int]:
+        return sorted({b.step for b in self.steps})
+
+    def get(self, rank: int, step: int) -> StepBreakdown:
+        for b in self.steps:
+            if b.rank == rank and b.step == step:
+                return b
+        raise KeyError(
+            f"no step {step} for rank {rank}; steps: {self.step_numbers()}, ranks: {self.ranks()}"
+        )
+
+    def per_rank(self) -> list[dict]:
+        """Mean over steps, one row per rank (milliseconds; overlap as a fraction)."""
+        rows = []
+        for r in self.ranks():
+            mine = [b.row() for b in self.steps if b.rank == r]
+            row = {
+                k: float(np.mean([m[k] for m in mine]))
+                for k in mine[0]
+                if k not in ("rank", "step")
+            }
+            rows.append({"rank": r, **row})
+        return rows
+
+    def stragglers(self) -> list[dict]:
+        """Per step: the slowest rank and how long each other rank waited for it (ms)."""
+        out = []
+        for s in self.step_numbers():
+            here = {b.rank: b for b in self.steps if b.step == s}
+            slow = max(here, key=lambda r: here[r].busy)
+            out.append(
+                {
+                    "step": s,
+                    "straggler": slow,
+                    "waited_ms": {
+                        r: here[slow].busy - b.busy for r, b in here.items() if r != slow
+                    },
+                }
+            )
+        return out
+
+    def straggler(self) -> int:
+        """The rank that was the straggler in most steps."""
+        counts = np.bincount([s["straggler"] for s in self.stragglers()])
+        return int(counts.argmax())
+
+    def table(self) -> str:
+        """The per-rank means as a text table."""
+        head = f"{'rank':>4} {'step ms':>8} {'compute':>8} {'comm*':>8} {'data':>7} {'optim':>7} {'idle':>7} {'comm all':>8} {'overlap':>7}"
+        lines = [head]
+        for r in self.per_rank():
+            lines.append(
+                f"{r['rank']:>4} {r['step_ms']:8.2f} {r['compute']:8.2f} {r['communication']:8.2f} "
+                f"{r['data']:7.2f} {r['optimizer']:7.2f} {r['idle']:7.2f} {r['comm_total']:8.2f} "
+                f"{r['overlap']:7.0%}"
+            )
+        lines.append(
+            "(ms per step, mean over recorded steps; comm* = exposed communication, comm all = "
+            "exposed + hidden behind compute)"
+        )
+        return "\n".join(lines)
+
+
+def analyse(traces: dict[int, Trace]) -> Analysis:
+    """Align the ranks' clocks and break every step of every rank down."""
+    from .trace import align
+
+    clock = align(traces)
+    steps = [b for t in traces.values() for b in analyse_trace(t)]
+    return Analysis(steps=steps, clock=clock)

@@ -1,0 +1,190 @@
+"""Trace parsing and analysis: exact numbers on hand-made events, the committed fixtures, bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+from course_utils.profiling.analysis import analyse, classify_name, union
+from course_utils.profiling.trace import TraceError, align, load_trace, load_traces, marker_skew_us
+
+matplotlib.use("Agg")
+FIXTURES = Path(__file__).parent / "fixtures" / "traces"
+
+
+def x(name, ts, dur, tid=1, cat="cpu_op", pid=1):
+    return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
+
+
+def write(path, events, rank=0, host="node", dist_info=True):
+    data = {
+        "schemaVersion": 1,
+        "host_name": host,
+        "traceEvents": [
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": 1,
+                "tid": 1,
+                "args": {"name": "thread 1 (python)"},
+            },
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": 1,
+                "tid": 2,
+                "args": {"name": "thread 2 (pt_gloo_runloop)"},
+            },
+            *events,
+        ],
+    }
+    if dist_info:
+        data["distributedInfo"] = {"backend": "gloo", "rank": rank, "world_size": 2}
+    path.write_text(json.dumps(data))
+    return path
+
+
+CPU_EVENTS = [  # µs; step 3 is [0, 100000] -> 100 ms
+    x("ProfilerStep#3", 0, 100_000, cat="user_annotation"),
+    x("data", 0, 10_000, cat="user_annotation"),
+    x("aten::mm", 10_000, 45_000),  # compute, partly inside the c10d call below
+    x("c10d::allreduce_", 50_000, 5_000),  # training thread blocked in a collective
+    x(
+        "gloo:all_reduce", 40_000, 30_000, tid=2, cat="user_annotation"
+    ),  # the gloo thread moves data
+    x("Optimizer.step#SGD.step", 80_000, 10_000, cat="user_annotation"),
+]
+
+
+def test_cpu_breakdown_exact(tmp_path):
+    a = analyse({0: load_trace(write(tmp_path / "rank0.json", CPU_EVENTS))})
+    (b,) = a.steps
+    assert b.step == 3 and b.step_ms == 100
+    assert b.data == 10 and b.optimizer == 10
+    assert b.compute == 40  # [10, 55] minus the 5 ms the thread spent inside c10d::allreduce_
+    assert b.comm_total == 30 and b.communication == 20  # [40, 70]; [40, 50] hidden behind compute
+    assert b.overlap == pytest.approx(1 / 3)
+    assert b.idle == 20  # [70, 80] and [90, 100]
+    assert b.compute + b.communication + b.data + b.optimizer + b.idle == b.step_ms
+
+
+def test_gpu_fixture_breakdown_exact_and_straggler():
+    traces = load_traces(FIXTURES / "gpu_minimal")
+    assert traces[0].has_gpu and traces[0].rank_source == "distributedInfo"
+    a = analyse(traces)
+    b0, b1 = a.get(0, 5), a.get(1, 5)
+    assert (b0.step_ms, b0.compute, b0.communication, b0.comm_total) == pytest.approx(
+        (10, 4.5, 2.0, 3.0)
+    )
+    assert (b0.data, b0.optimizer, b0.idle) == pytest.approx((0.9, 0.6, 2.0))
+    assert (b1.compute, b1.communication) == pytest.approx((5.5, 1.0))
+    assert a.straggler() == 1
+    assert a.stragglers()[0]["waited_ms"][0] == pytest.approx(1.0)
+
+
+def test_committed_cpu_gloo_fixture():
+    traces = load_traces(FIXTURES / "cpu_gloo")
+    assert sorted(traces) == [0, 1] and not traces[0].has_gpu
+    assert any("pt_gloo_runloop" in lane for lane in traces[0].lanes)
+    a = analyse(traces)
+    assert a.clock.startswith("shared clock")
+    for b in a.steps:
+        assert b.comm_total > 0, "gloo collectives must be found on every rank"
+        parts = b.compute + b.communication + b.data + b.optimizer + b.idle
+        assert parts == pytest.approx(b.step_ms, abs=1e-6)
+    assert "overlap" in a.table()
+
+
+def test_classify_names():
+    assert classify_name("gloo:all_reduce") == "communication"
+    assert classify_name("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "communication"
+    assert classify_name("c10d::broadcast_") == "communication"
+    assert classify_name("aten::broadcast_tensors") == "compute"
+    assert classify_name("DistributedDataParallel.forward") == "compute"
+    assert classify_name("enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__") == "data"
+    assert classify_name("Optimizer.zero_grad#SGD.zero_grad") == "optimizer"
+    assert classify_name("ProfilerStep#7") is None
+
+
+def test_union_merges_overlaps():
+    import numpy as np
+
+    s, e = union(np.array([5.0, 0.0, 2.0, 10.0]), np.array([6.0, 3.0, 4.0, 11.0]))
+    assert s.tolist() == [0.0, 5.0, 10.0] and e.tolist() == [4.0, 6.0, 11.0]
+
+
+def test_rank_from_file_name_and_gz(tmp_path):
+    path = write(tmp_path / "worker_rank3.json", CPU_EVENTS, dist_info=False)
+    gz = tmp_path / "worker_rank3.json.gz"
+    with open(path, "rb") as f, gzip.open(gz, "wb") as g:
+        shutil.copyfileobj(f, g)
+    t = load_trace(gz)
+    assert t.rank == 3 and t.rank_source == "file name"
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b'{"traceEvents": [{"ph": "X", "ts": 1', "truncated"),
+        (b"not json at all", "not a readable JSON trace"),
+        (b'{"schemaVersion": 1}', "no 'traceEvents' list"),
+        (b'{"traceEvents": [], "distributedInfo": {"rank": 0}}', "has no CPU or GPU events"),
+    ],
+)
+def test_bad_trace_files_are_named(tmp_path, content, words):
+    path = tmp_path / "rank0.json"
+    path.write_bytes(content)
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert str(path) in str(info.value) and words in str(info.value)
+
+
+def test_bad_folders(tmp_path):
+    with pytest.raises(TraceError, match="no trace files"):
+        load_traces(tmp_path)
+    with pytest.raises(TraceError, match="no such folder"):
+        load_traces(tmp_path / "missing")
+    write(tmp_path / "a.json", CPU_EVENTS, rank=1)
+    write(tmp_path / "b.json", CPU_EVENTS, rank=1)
+    with pytest.raises(TraceError, match="rank 1 appears twice"):
+        load_traces(tmp_path)
+    (tmp_path / "anon.json").write_text(json.dumps({"traceEvents": [x("a", 0, 1)]}))
+    with pytest.raises(TraceError, match="cannot tell which rank"):
+        load_trace(tmp_path / "anon.json")
+
+
+def test_align_on_markers_across_hosts(tmp_path):
+    marker = "course_utils::clock_marker"
+    r0 = load_trace(
+        write(tmp_path / "r0.json", [*CPU_EVENTS, x(marker, 20_000, 0)], rank=0, host="a")
+    )
+    r1 = load_trace(
+        write(tmp_path / "r1.json", [*CPU_EVENTS, x(marker, 23_500, 0)], rank=1, host="b")
+    )
+    traces = {0: r0, 1: r1}
+    assert align(traces) == "clock markers (several hosts)"
+    assert r1.offset == -3_500 and marker_skew_us(traces) == 0
+
+
+def test_parallel_parse_matches_serial(tmp_path):
+    for r in range(2):
+        write(tmp_path / f"rank{r}.json", CPU_EVENTS, rank=r)
+    serial = load_traces(tmp_path, parallel=False)
+    par = load_traces(tmp_path, parallel=True)
+    assert [t.start.tolist() for t in serial.values()] == [t.start.tolist() for t in par.values()]
+
+
+def test_plots_draw_one_lane_per_rank():
+    from course_utils.profiling import plots
+
+    a = analyse(load_traces(FIXTURES / "gpu_minimal"))
+    ax = plots.timeline(a)
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["rank 0", "rank 1 (straggler)"]
+    ax = plots.breakdown_bars(a)
+    assert "(straggler)" in ax.get_xticklabels()[1].get_text()
