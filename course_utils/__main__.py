@@ -9,6 +9,7 @@ python -m course_utils course --out build [--size ci|cpu|gpu] [--only 01]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -40,6 +41,21 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--rounds", type=int, default=5)
     b.add_argument("--later", type=int, default=5, help="later launches timed per fresh process")
     b.add_argument("--json", action="store_true")
+    c = bsub.add_parser(
+        "collectives", help="all_reduce, all_gather, ... : time, algbw, busbw per size"
+    )
+    c.add_argument("--world-size", type=int, default=2)
+    c.add_argument(
+        "--max-bytes", type=int, default=None, help="largest message (default: size preset's)"
+    )
+    c.add_argument("--iters", type=int, default=10)
+    c.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    c.add_argument("--json", action="store_true")
+    t = bsub.add_parser("traces", help="parse + analyse speed on 8 generated ~50 MB rank traces")
+    t.add_argument("--ranks", type=int, default=8)
+    t.add_argument("--mb", type=float, default=50.0, help="size of each trace")
+    t.add_argument("--keep", default=None, help="folder to keep the generated traces in")
+    t.add_argument("--json", action="store_true")
 
     p = sub.add_parser("course", help="execute every notebook into build/ with a timing table")
     p.add_argument("--out", default="build")
@@ -61,10 +77,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Point the course at it: export COURSE_DATA_DIR={data_root(args.root)}")
         return 0 if all(s == "ok" for s in status.values()) else 1
     if args.cmd == "bench":
-        from .bench import launch as bench_launch
+        if args.bench_cmd == "launch":
+            from .bench import launch as bench_launch
 
-        result = bench_launch.run(args.world_size, args.rounds, args.later)
-        print(json.dumps(result, indent=2) if args.json else bench_launch.table(result))
+            result = bench_launch.run(args.world_size, args.rounds, args.later)
+            print(json.dumps(result, indent=2) if args.json else bench_launch.table(result))
+        elif args.bench_cmd == "collectives":
+            from .profiling import collectives
+
+            # with --json, stdout carries only the JSON: launch's notices go to stderr
+            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+                report = collectives.run(
+                    args.world_size,
+                    args.max_bytes,
+                    iters=args.iters,
+                    backend=args.backend,
+                    echo=False,
+                )
+            print(json.dumps(report, indent=2) if args.json else collectives.table(report))
+        else:
+            from .bench import traces as bench_traces
+
+            result = bench_traces.run(args.ranks, args.mb, args.keep)
+            print(json.dumps(result, indent=2) if args.json else bench_traces.table(result))
         return 0
     if args.cmd == "course":
         from . import course

@@ -21,6 +21,7 @@ for it by the difference.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -265,10 +266,23 @@ class Analysis:
         return "\n".join(lines)
 
 
-def analyse(traces: dict[int, Trace]) -> Analysis:
-    """Align the ranks' clocks and break every step of every rank down."""
+def analyse(traces: dict[int, Trace], parallel: bool | None = None) -> Analysis:
+    """Align the ranks' clocks and break every step of every rank down (in parallel when large)."""
     from .trace import align
 
     clock = align(traces)
-    steps = [b for t in traces.values() for b in analyse_trace(t)]
-    return Analysis(steps=steps, clock=clock)
+    events = sum(len(t.start) for t in traces.values())
+    if parallel is None:
+        parallel = len(traces) > 1 and events > 1_000_000 and (os.cpu_count() or 1) > 1
+    if parallel:  # each trace's analysis is independent: one process per core
+        from concurrent.futures import ProcessPoolExecutor
+
+        from ..launcher.procs import get_context
+
+        with ProcessPoolExecutor(
+            min(len(traces), os.cpu_count() or 1), mp_context=get_context("auto")
+        ) as pool:
+            per_rank = list(pool.map(analyse_trace, traces.values()))
+    else:
+        per_rank = [analyse_trace(t) for t in traces.values()]
+    return Analysis(steps=[b for bs in per_rank for b in bs], clock=clock)

@@ -12,12 +12,12 @@ eight ranks of 50 MB parse in a few seconds and fit in memory.
 from __future__ import annotations
 
 import gzip
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
@@ -70,25 +70,53 @@ class Trace:
         )
 
 
-def _read_json(path: Path) -> dict:
-    opener = gzip.open if path.suffix == ".gz" else open
+class _Event(msgspec.Struct):
+    """The fields of a trace event the analysis reads; everything else is skipped while decoding."""
+
+    ph: str = ""
+    cat: str = ""
+    name: str = ""
+    pid: int | str = 0
+    tid: int | str = 0
+    ts: float = 0.0
+    dur: float = 0.0
+    args: msgspec.Raw = msgspec.Raw(b"null")  # decoded only for metadata events
+
+
+class _Doc(msgspec.Struct):
+    traceEvents: list[_Event]
+    distributedInfo: dict | None = None
+    host_name: str | None = None
+
+
+def _read(path: Path) -> _Doc:
     try:
-        with opener(path, "rb") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as f:
+                raw = f.read()
+        else:
+            raw = path.read_bytes()
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise TraceError(
-            f"{path}: not a readable JSON trace ({type(e).__name__}: {e}). A truncated file usually "
-            "means the rank was killed while writing it."
+            f"{path}: cannot read it ({type(e).__name__}: {e}); a truncated .gz usually means "
+            "the rank was killed while writing it."
         ) from None
-    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+    try:
+        return msgspec.json.decode(raw, type=_Doc)
+    except msgspec.ValidationError as e:
         raise TraceError(
-            f"{path}: no 'traceEvents' list; is this a torch.profiler (Kineto/Chrome) trace?"
-        )
-    return data
+            f"{path}: no 'traceEvents' list of events ({e}); is this a torch.profiler "
+            "(Kineto/Chrome) trace?"
+        ) from None
+    except msgspec.DecodeError as e:
+        raise TraceError(
+            f"{path}: not a readable JSON trace ({e}). A truncated file usually means the rank was killed "
+            "while writing it."
+        ) from None
 
 
-def _rank_of(path: Path, data: dict) -> tuple[int, str]:
-    info = data.get("distributedInfo") or {}
+def _rank_of(path: Path, data: _Doc) -> tuple[int, str]:
+    info = data.distributedInfo or {}
     if isinstance(info.get("rank"), int):
         return info["rank"], "distributedInfo"
     m = re.search(r"rank[_-]?(\d+)", path.name)
@@ -103,40 +131,38 @@ def _rank_of(path: Path, data: dict) -> tuple[int, str]:
 def load_trace(path: str | os.PathLike) -> Trace:
     """Parse one trace file (``.json`` or ``.json.gz``)."""
     path = Path(path)
-    data = _read_json(path)
+    data = _read(path)
     rank, source = _rank_of(path, data)
     thread_names = {}
-    for e in data["traceEvents"]:
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            key, name = (e.get("pid"), e.get("tid")), e.get("args", {}).get("name", "")
-            if key not in thread_names or not name.endswith(
-                "(python)"
-            ):  # keep "pt_gloo_runloop" over "python"
-                thread_names[key] = name
     names: dict[str, int] = {}
     lanes: dict[tuple, int] = {}
     lane_gpu: list[bool] = []
     name_id, lane, start, dur = [], [], [], []
-    for e in data["traceEvents"]:
-        if e.get("ph") != "X":
+    for e in data.traceEvents:
+        if e.ph != "X":
+            if e.ph == "M" and e.name == "thread_name":
+                name = (msgspec.json.decode(e.args) or {}).get("name", "")
+                key = (e.pid, e.tid)
+                if key not in thread_names or not name.endswith(
+                    "(python)"
+                ):  # keep "pt_gloo_runloop"
+                    thread_names[key] = name
             continue
-        cat = e.get("cat")
-        gpu = cat in GPU_CATS
-        if not gpu and cat not in CPU_CATS:
+        gpu = e.cat in GPU_CATS
+        if not gpu and e.cat not in CPU_CATS:
             continue
-        key = ("gpu" if gpu else "cpu", e.get("pid"), e.get("tid"))
+        key = ("gpu" if gpu else "cpu", e.pid, e.tid)
         li = lanes.get(key)
         if li is None:
             li = lanes[key] = len(lanes)
             lane_gpu.append(gpu)
-        nm = e.get("name", "")
-        ni = names.get(nm)
+        ni = names.get(e.name)
         if ni is None:
-            ni = names[nm] = len(names)
+            ni = names[e.name] = len(names)
         name_id.append(ni)
         lane.append(li)
-        start.append(e.get("ts", 0.0))
-        dur.append(e.get("dur", 0.0))
+        start.append(e.ts)
+        dur.append(e.dur)
     if not start:
         raise TraceError(
             f"{path}: the trace has no CPU or GPU events: was anything run inside the "
@@ -169,13 +195,13 @@ def load_trace(path: str | os.PathLike) -> Trace:
     markers = []
     if MARKER in names:
         markers = sorted(end_a[name_id_a == names[MARKER]].tolist())
-    info = data.get("distributedInfo") or {}
+    info = data.distributedInfo or {}
     return Trace(
         path=path,
         rank=rank,
         rank_source=source,
         world_size=info.get("world_size"),
-        host=data.get("host_name"),
+        host=data.host_name,
         names=name_list,
         lanes=lane_labels,
         lane_is_gpu=np.asarray(lane_gpu, dtype=bool),
