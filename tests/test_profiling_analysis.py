@@ -188,3 +188,27 @@ def test_plots_draw_one_lane_per_rank():
     assert labels == ["rank 0", "rank 1 (straggler)"]
     ax = plots.breakdown_bars(a)
     assert "(straggler)" in ax.get_xticklabels()[1].get_text()
+
+
+def test_waiting_inside_an_annotation_is_not_compute(tmp_path):
+    """DDP's forward waits for the buffer broadcast with no op running: that is communication."""
+    events = [
+        x("ProfilerStep#0", 0, 100_000, cat="user_annotation"),
+        x("DistributedDataParallel.forward", 0, 80_000, cat="user_annotation"),
+        x("c10d::broadcast_", 0, 1_000),  # enqueued on the training thread ...
+        x(
+            "gloo:broadcast", 0, 50_000, tid=2, cat="user_annotation"
+        ),  # ... runs 50 ms on gloo's thread
+        x("aten::convolution", 50_000, 30_000),
+    ]
+    (b,) = analyse({0: load_trace(write(tmp_path / "rank0.json", events))}).steps
+    assert (b.compute, b.communication, b.comm_total, b.idle) == (30, 50, 50, 20)
+
+
+def test_balanced_ranks_have_no_straggler(tmp_path):
+    traces = {
+        r: load_trace(write(tmp_path / f"rank{r}.json", CPU_EVENTS, rank=r)) for r in range(2)
+    }
+    a = analyse(traces)
+    assert a.straggler() is None  # identical work: naming one would mislead
+    assert len(a.stragglers()) == 1  # the per-step view still reports the (tied) maximum

@@ -4,7 +4,9 @@ Every recorded step of every rank is cut into elementary time segments, and
 each segment gets exactly one class, so the classes add up to the step time:
 
 - CPU ranks (gloo): the training thread is the reference. Precedence:
-  data > optimizer > compute > communication > idle. Communication is the
+  data > optimizer > compute > communication > idle. Compute is time inside
+  ``cpu_op`` events; ``user_annotation`` labels (``DistributedDataParallel.forward``)
+  are not evidence of work, since the thread may be blocked inside them. Communication is the
   gloo threads' collectives plus the training thread's own ``c10d::`` calls;
   the part of it that runs while the training thread computes is *hidden*,
   the rest is *exposed*.
@@ -125,8 +127,11 @@ def analyse_trace(t: Trace) -> list[StepBreakdown]:
     on_gpu = t.lane_is_gpu[t.lane]
     main = t.lane == t.main_lane
     gpu = t.has_gpu
+    # On CPU only ops prove that the thread computed: a user_annotation such as
+    # DistributedDataParallel.forward also spans the time its thread sat waiting for a collective.
+    is_op = ~t.name_is_annotation[t.name_id]
     sources = {
-        "compute": masks["compute"] & (on_gpu if gpu else main),
+        "compute": masks["compute"] & (on_gpu if gpu else main & is_op),
         "communication": masks["communication"] & (on_gpu if gpu else ~on_gpu),
         "data": masks["data"] & ~on_gpu,
         "optimizer": masks["optimizer"] & ~on_gpu,
@@ -244,10 +249,20 @@ class Analysis:
             )
         return out
 
-    def straggler(self) -> int:
-        """The rank that was the straggler in most steps."""
-        counts = np.bincount([s["straggler"] for s in self.stragglers()])
-        return int(counts.argmax())
+    def straggler(self, threshold: float = 0.10) -> int | None:
+        """The rank with clearly the most non-communication work, or ``None`` when the ranks are balanced.
+
+        Clearly: its mean busy time (compute + data + optimizer) exceeds the median
+        of the other ranks' by more than ``threshold`` (10%); smaller differences
+        are run-to-run noise.
+        """
+        rows = self.per_rank()
+        if len(rows) < 2:
+            return None
+        busy = {r["rank"]: r["compute"] + r["data"] + r["optimizer"] for r in rows}
+        slow = max(busy, key=busy.get)
+        others = float(np.median([b for r, b in busy.items() if r != slow]))
+        return slow if busy[slow] > (1 + threshold) * others else None
 
     def table(self) -> str:
         """The per-rank means as a text table."""

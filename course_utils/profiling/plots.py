@@ -32,7 +32,7 @@ def timeline(
             )
         ax.axvline(b.start_ms - t0, color="black", lw=0.4, alpha=0.3)
     if highlight_straggler and len(ranks) > 1:
-        slow = {s["straggler"] for s in analysis.stragglers() if s["step"] in steps}
+        slow = {analysis.straggler()} - {None}
         ax.set_yticks(
             range(len(ranks)), [f"rank {r}" + (" (straggler)" if r in slow else "") for r in ranks]
         )
@@ -57,7 +57,7 @@ def breakdown_bars(analysis: Analysis, ax=None):
     """Stacked bar per rank: mean ms per step in each class; the straggler's bar is outlined."""
     rows = analysis.per_rank()
     ax = ax or plt.subplots(figsize=(1.2 * len(rows) + 3, 3.2))[1]
-    slow = analysis.straggler() if len(rows) > 1 else None
+    slow = analysis.straggler()
     bottom = [0.0] * len(rows)
     for c in CLASSES:
         vals = [r[c] for r in rows]

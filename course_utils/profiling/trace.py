@@ -42,6 +42,8 @@ class Trace:
     host: str | None
     names: list[str]
     """Unique event names; ``name_id`` indexes into it."""
+    name_is_annotation: np.ndarray
+    """Per name: a ``user_annotation`` (a label such as ``DistributedDataParallel.forward``), not an op."""
     lanes: list[str]
     """One per CPU thread or GPU stream: ``"thread 123 (python)"``, ``"GPU 0 stream 7"``."""
     lane_is_gpu: np.ndarray
@@ -137,6 +139,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
     names: dict[str, int] = {}
     lanes: dict[tuple, int] = {}
     lane_gpu: list[bool] = []
+    annotation: list[bool] = []
     name_id, lane, start, dur = [], [], [], []
     for e in data.traceEvents:
         if e.ph != "X":
@@ -159,6 +162,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
         ni = names.get(e.name)
         if ni is None:
             ni = names[e.name] = len(names)
+            annotation.append(e.cat == "user_annotation")
         name_id.append(ni)
         lane.append(li)
         start.append(e.ts)
@@ -203,6 +207,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
         world_size=info.get("world_size"),
         host=data.host_name,
         names=name_list,
+        name_is_annotation=np.asarray(annotation, dtype=bool),
         lanes=lane_labels,
         lane_is_gpu=np.asarray(lane_gpu, dtype=bool),
         main_lane=main_lane,
