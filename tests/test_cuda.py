@@ -50,3 +50,34 @@ def test_bf16_autocast_halves_activation_memory_on_gpu():
     with torch.autocast("cuda", dtype=dtype), saved_activations() as low:
         model(x).float().sum()
     assert low["bytes"] < 0.75 * fp32["bytes"]
+
+
+def profiled_gpu_worker(ctx, steps=4):
+    model = torch.nn.parallel.DistributedDataParallel(
+        SmallResNet(width=16).to(ctx.device), device_ids=[ctx.local_rank]
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(64, 3, 32, 32, device=ctx.device)
+    for _ in range(steps):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.step()
+
+
+@pytest.mark.multiprocess
+def test_gpu_trace_has_kernels_and_analyses(runs_root):
+    from course_utils.profiling import ProfileConfig
+    from course_utils.profiling.analysis import analyse
+    from course_utils.profiling.trace import load_traces
+
+    n = torch.cuda.device_count()
+    res = launch(
+        profiled_gpu_worker, n, profile=ProfileConfig(wait=1, warmup=1, active=2), echo=False
+    )
+    traces = load_traces(res.traces)
+    assert all(t.has_gpu for t in traces.values()), "CUDA activity missing from the trace"
+    a = analyse(traces)
+    for b in a.steps:
+        assert b.compute > 0
+        assert abs(b.compute + b.communication + b.data + b.optimizer + b.idle - b.step_ms) < 1e-3
