@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--iters", type=int, default=10)
     c.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     c.add_argument("--json", action="store_true")
+    dd = bsub.add_parser(
+        "ddp", help="from-scratch overlapped DDP vs torch DDP: step time and ratio"
+    )
+    dd.add_argument("--world-size", type=int, default=2)
+    dd.add_argument("--rounds", type=int, default=5)
+    dd.add_argument("--json", action="store_true")
     t = bsub.add_parser("traces", help="parse + analyse speed on 8 generated ~50 MB rank traces")
     t.add_argument("--ranks", type=int, default=8)
     t.add_argument("--mb", type=float, default=50.0, help="size of each trace")
@@ -95,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
                     echo=False,
                 )
             print(json.dumps(report, indent=2) if args.json else collectives.table(report))
+        elif args.bench_cmd == "ddp":
+            from .bench import ddp as bench_ddp
+
+            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+                result = bench_ddp.run(args.world_size, args.rounds)
+            print(json.dumps(result, indent=2) if args.json else bench_ddp.table(result))
         else:
             from .bench import traces as bench_traces
 

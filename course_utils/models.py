@@ -3,6 +3,7 @@ is applied to them from outside (STYLE.md, "Models stay single-device")."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -62,3 +63,43 @@ class SmallResNet(nn.Module):
 def count_parameters(model: nn.Module) -> int:
     """Number of trainable parameters."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+class ToyMLP(nn.Module):
+    """The plain case for parity tests: ``(B, 16) -> (B, 4)``."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 32, classes: int = 4):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = (
+            nn.Linear(d_in, hidden),
+            nn.Linear(hidden, hidden),
+            nn.Linear(hidden, classes),
+        )
+
+    def forward(self, x):  # (B, d_in) -> (B, classes)
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class TiedMLP(ToyMLP):
+    """One ``Parameter`` used twice (``fc2`` applied two times): one gradient, summed from both uses."""
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        h = torch.relu(self.fc2(torch.relu(self.fc2(h))))  # the same weights, twice
+        return self.fc3(h)
+
+
+class FrozenMLP(ToyMLP):
+    """``fc1`` frozen (``requires_grad=False``, as in fine-tuning): never communicated."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fc1.requires_grad_(False)
+
+
+class UnusedParamMLP(ToyMLP):
+    """A layer that forward never calls: its gradient stays ``None`` on every rank."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.unused = nn.Linear(32, 32)

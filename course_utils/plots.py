@@ -45,3 +45,24 @@ def loss_curve(losses: list[float], steps_per_epoch: int | None = None, ax=None)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     return ax
+
+
+def collective(name: str, before: list[list[float]], after: list[list[float]], ax_pair=None):
+    """What every rank holds before and after a collective: one row per rank, one cell per element."""
+    import numpy as np
+
+    if ax_pair is None:
+        _, ax_pair = plt.subplots(1, 2, figsize=(8, 0.5 * len(before) + 1.0))
+    for ax, rows, title in zip(ax_pair, (before, after), ("before", "after")):
+        width = max(len(r) for r in rows)
+        grid = np.full((len(rows), width), np.nan)
+        for i, r in enumerate(rows):
+            grid[i, : len(r)] = r
+        ax.imshow(grid, cmap="Blues", aspect="auto", vmin=0, vmax=np.nanmax(grid) * 1.3 or 1)
+        for (i, j), v in np.ndenumerate(grid):
+            if not np.isnan(v):
+                ax.text(j, i, f"{v:g}", ha="center", va="center", fontsize=8)
+        ax.set_yticks(range(len(rows)), [f"rank {i}" for i in range(len(rows))])
+        ax.set_xticks([])
+        ax.set_title(f"{name}: {title}")
+    return ax_pair

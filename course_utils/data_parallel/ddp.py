@@ -1,0 +1,156 @@
+"""Data parallelism from scratch: gradients all-reduced in buckets, overlapped with backward.
+
+The finished version of what notebook 03 builds in three steps (naive, bucketed, overlapped).
+Later notebooks reuse it. Usage::
+
+    model = BucketedDDP(net, bucket_cap_mb=25)        # every rank: same init, or an error
+    loss(model(x_local), y_local).backward()           # buckets all-reduce while backward runs
+    model.finish_gradient_synchronization()            # wait; grads are now the global mean
+    opt.step()
+
+What travels: once, at construction, a check (or a ``broadcast``) of parameters. Every step, each
+bucket of gradients is summed with one ``all_reduce`` as soon as backward has produced all its
+gradients, then divided by the world size. The order is reverse registration order, which is
+roughly the order backward produces them. Ring all-reduce moves ``2(N-1)/N`` times the gradient
+bytes per rank per step.
+
+Parameters that need special care:
+- **frozen** (``requires_grad=False``): never in a bucket, never communicated;
+- **tied** (one ``Parameter`` used in two places): registered once, one gradient, one slot;
+- **unused in forward** on a step: its gradient is absent. It counts as zero on the ranks that
+  lack it, and stays ``None`` when every rank lacks it, exactly as single-process training
+  leaves it. A flag per parameter travels in the bucket for that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import (
+    all_reduce_async,
+    broadcast_parameters,
+    check_same_parameters,
+    flatten,
+    unflatten_into,
+)
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    ready: set[int] = field(default_factory=set)
+    work: object | None = None
+    buffer: torch.Tensor | None = None
+
+
+class BucketedDDP(nn.Module):
+    """Wrap ``module`` so that its gradients are averaged over ranks, overlapped with backward."""
+
+    def __init__(
+        self, module: nn.Module, bucket_cap_mb: float = 25.0, init: str = "verify", group=None
+    ):
+        super().__init__()
+        if init not in ("verify", "broadcast"):
+            raise ValueError(f"init must be 'verify' or 'broadcast', got {init!r}")
+        self.module, self.group = module, group
+        self.world_size = dist.get_world_size(group)
+        if init == "verify":
+            check_same_parameters(module, group)
+        else:
+            broadcast_parameters(module, group=group)
+        self.buckets = self._make_buckets(bucket_cap_mb * 2**20)
+        self._bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.require_sync = True
+        self._next = 0  # index of the next bucket to launch
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for b in self.buckets
+            for p in b.params
+        ]
+
+    def _make_buckets(self, cap_bytes: float) -> list[Bucket]:
+        params = [
+            p for p in self.module.parameters() if p.requires_grad
+        ]  # tied weights appear once
+        buckets, current, size = [], [], 0
+        for p in reversed(params):  # backward produces the last layers' gradients first
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap_bytes:
+                buckets.append(Bucket(current))
+                current, size = [], 0
+        if current:
+            buckets.append(Bucket(current))
+        return buckets
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self.require_sync:
+            return
+        bucket, i = self._bucket_of[id(p)]
+        bucket.ready.add(i)
+        # Launch in bucket order only: gloo and NCCL pair collectives by call order, so every rank
+        # must issue the same sequence even if its gradients become ready in another order.
+        while self._next < len(self.buckets) and self._complete(self.buckets[self._next]):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    @staticmethod
+    def _complete(bucket: Bucket) -> bool:
+        return len(bucket.ready) == len(bucket.params)
+
+    def _launch(self, bucket: Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        has_grad = torch.tensor(
+            [float(p.grad is not None) for p in bucket.params],
+            dtype=grads[0].dtype,
+            device=grads[0].device,
+        )
+        bucket.buffer = flatten([*grads, has_grad])  # (sum of numels + len(params),)
+        bucket.work = all_reduce_async(bucket.buffer, self.group)
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket's all-reduce and write the averaged gradients back; call before ``step()``."""
+        if not self.require_sync:
+            return
+        for bucket in self.buckets[
+            self._next :
+        ]:  # some parameter got no gradient: send what we have
+            self._launch(bucket)
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.work.wait()
+            n = len(bucket.params)
+            flat, counts = bucket.buffer[:-n], bucket.buffer[-n:]
+            offset = 0
+            for p, count in zip(bucket.params, counts.tolist()):
+                k = p.numel()
+                if count == 0:
+                    p.grad = None  # unused on every rank: as in single-process training
+                else:
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                    p.grad.copy_(flat[offset : offset + k].view_as(p)).div_(self.world_size)
+                offset += k
+            bucket.ready.clear()
+            bucket.work = bucket.buffer = None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) until the context exits."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+
+__all__ = ["Bucket", "BucketedDDP", "unflatten_into"]

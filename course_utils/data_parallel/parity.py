@@ -1,0 +1,80 @@
+"""Equivalence with one process: the check every data-parallel implementation must pass.
+
+Each rank trains two models from the same seed: the parallel one on its shard of the global
+batch, and a single-process reference on the *whole* global batch (every rank computes it
+redundantly, so no extra process is needed). After every optimizer step the largest parameter
+difference is recorded. Mean-reduced losses and gradients averaged over equal shards make the
+two mathematically identical. Only the order of floating-point summation differs, so float64
+agrees to ~1e-12.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    """Largest absolute difference between corresponding parameters."""
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def parity_worker(
+    ctx,
+    make_model: Callable[[], nn.Module],
+    wrap: Callable[[nn.Module], nn.Module],
+    steps: int = 3,
+    global_batch: int = 16,
+    in_features: int = 16,
+    classes: int = 4,
+    lr: float = 0.1,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    accumulate: int = 1,
+) -> list[float]:
+    """Run under ``launch``: max |param difference| to single-process training after each step.
+
+    ``accumulate > 1`` splits every step into micro-batches, syncing only on the last one
+    (``no_sync``), against the reference's single backward on the whole global batch.
+    """
+    import torch.distributed as dist
+
+    torch.manual_seed(seed)
+    reference = make_model().to(ctx.device, dtype)
+    torch.manual_seed(seed)
+    model = wrap(make_model().to(ctx.device, dtype))
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    data = torch.Generator().manual_seed(seed + 1)  # the same global batches on every rank
+    finish = getattr(model, "finish_gradient_synchronization", lambda: None)
+    n, r = dist.get_world_size(), dist.get_rank()
+    diffs = []
+    for _ in range(steps):
+        x = torch.randn(global_batch, in_features, generator=data, dtype=dtype).to(ctx.device)
+        y = torch.randint(classes, (global_batch,), generator=data).to(ctx.device)
+        opt_ref.zero_grad()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        opt_ref.step()
+
+        xs, ys = x.chunk(n)[r], y.chunk(n)[r]  # this rank's shard: (global_batch / n, in_features)
+        opt.zero_grad()
+        micro = list(zip(xs.chunk(accumulate), ys.chunk(accumulate)))
+        for i, (xm, ym) in enumerate(micro):
+            sync = i == len(micro) - 1
+            ctx_mgr = model.no_sync() if not sync and hasattr(model, "no_sync") else _null()
+            with ctx_mgr:
+                (nn.functional.cross_entropy(model(xm), ym) / accumulate).backward()
+        finish()
+        opt.step()
+        diffs.append(max_param_diff(reference, getattr(model, "module", model)))
+    return diffs
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
