@@ -2,8 +2,6 @@
 
 - :func:`check_same_parameters`: every rank starts from the same weights, or a clear error.
 - :func:`broadcast_parameters`: copy rank 0's parameters and buffers to every rank (``broadcast``).
-- :func:`flatten` / :func:`unflatten_into`: pack a bucket's gradients into one buffer and back,
-  so one collective moves them all.
 - :func:`all_reduce_async`: start the sum of a bucket over ranks (``all_reduce``, ring:
   each rank sends and receives ``2(N-1)/N`` of the buffer), returning a handle to wait on.
 """
@@ -56,20 +54,6 @@ def check_same_parameters(module: nn.Module, group=None) -> None:
             "Seed every rank the same way before building the model (torch.manual_seed(0)), or "
             "pass init='broadcast' to copy rank 0's parameters to every rank."
         )
-
-
-def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One contiguous 1-D buffer holding ``tensors`` back to back."""
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` back into ``tensors`` (shapes preserved)."""
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
 
 
 def all_reduce_async(buffer: torch.Tensor, group=None):

@@ -35,8 +35,6 @@ from .comm import (
     all_reduce_async,
     broadcast_parameters,
     check_same_parameters,
-    flatten,
-    unflatten_into,
 )
 
 
@@ -52,7 +50,12 @@ class BucketedDDP(nn.Module):
     """Wrap ``module`` so that its gradients are averaged over ranks, overlapped with backward."""
 
     def __init__(
-        self, module: nn.Module, bucket_cap_mb: float = 25.0, init: str = "verify", group=None
+        self,
+        module: nn.Module,
+        bucket_cap_mb: float = 25.0,
+        init: str = "verify",
+        group=None,
+        first_bucket_mb: float = 1.0,
     ):
         super().__init__()
         if init not in ("verify", "broadcast"):
@@ -63,7 +66,11 @@ class BucketedDDP(nn.Module):
             check_same_parameters(module, group)
         else:
             broadcast_parameters(module, group=group)
-        self.buckets = self._make_buckets(bucket_cap_mb * 2**20)
+        # A small first bucket (as torch DDP's 1 MiB) gets the last layers' gradients travelling
+        # while backward still works on the rest.
+        self.buckets = self._make_buckets(
+            min(first_bucket_mb, bucket_cap_mb) * 2**20, bucket_cap_mb * 2**20
+        )
         self._bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.require_sync = True
         self._next = 0  # index of the next bucket to launch
@@ -73,15 +80,14 @@ class BucketedDDP(nn.Module):
             for p in b.params
         ]
 
-    def _make_buckets(self, cap_bytes: float) -> list[Bucket]:
-        params = [
-            p for p in self.module.parameters() if p.requires_grad
-        ]  # tied weights appear once
+    def _make_buckets(self, first_cap: float, cap_bytes: float) -> list[Bucket]:
+        # tied weights appear once in parameters(); frozen ones never get a gradient
+        params = [p for p in self.module.parameters() if p.requires_grad]
         buckets, current, size = [], [], 0
         for p in reversed(params):  # backward produces the last layers' gradients first
             current.append(p)
             size += p.numel() * p.element_size()
-            if size >= cap_bytes:
+            if size >= (first_cap if not buckets else cap_bytes):
                 buckets.append(Bucket(current))
                 current, size = [], 0
         if current:
@@ -106,42 +112,52 @@ class BucketedDDP(nn.Module):
     def _complete(bucket: Bucket) -> bool:
         return len(bucket.ready) == len(bucket.params)
 
+    @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        has_grad = torch.tensor(
-            [float(p.grad is not None) for p in bucket.params],
-            dtype=grads[0].dtype,
-            device=grads[0].device,
-        )
-        bucket.buffer = flatten([*grads, has_grad])  # (sum of numels + len(params),)
-        bucket.work = all_reduce_async(bucket.buffer, self.group)
+        n = len(bucket.params)
+        if (
+            bucket.buffer is None
+        ):  # allocated once: a fresh multi-MB buffer every step costs page faults
+            first = bucket.params[0]
+            bucket.buffer = first.new_empty(sum(p.numel() for p in bucket.params) + n)
+        offset = 0
+        for i, p in enumerate(bucket.params):
+            k = p.numel()
+            view = bucket.buffer[offset : offset + k]
+            if p.grad is None:
+                view.zero_()
+            else:  # scale while copying in: sum of (g / N) over ranks is the mean
+                torch.mul(p.grad.reshape(-1), 1.0 / self.world_size, out=view)
+            bucket.buffer[-n + i] = float(p.grad is not None)  # the has-a-gradient flag
+            offset += k
+        bucket.work = all_reduce_async(bucket.buffer, self.group)  # (sum of numels + n,)
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        """Wait for every bucket's all-reduce and write the averaged gradients back; call before ``step()``."""
+        """Wait for every bucket's all-reduce and write the mean gradients back; call before ``step()``."""
         if not self.require_sync:
             return
-        for bucket in self.buckets[
-            self._next :
-        ]:  # some parameter got no gradient: send what we have
+        # buckets still waiting: some parameter got no gradient this step; send what we have
+        for bucket in self.buckets[self._next :]:
             self._launch(bucket)
         self._next = 0
         for bucket in self.buckets:
             bucket.work.wait()
             n = len(bucket.params)
-            flat, counts = bucket.buffer[:-n], bucket.buffer[-n:]
+            counts = bucket.buffer[-n:].tolist()
             offset = 0
-            for p, count in zip(bucket.params, counts.tolist()):
+            for p, count in zip(bucket.params, counts):
                 k = p.numel()
+                mean = bucket.buffer[offset : offset + k].view_as(p)
                 if count == 0:
                     p.grad = None  # unused on every rank: as in single-process training
+                elif p.grad is None:
+                    p.grad = mean.clone()
                 else:
-                    if p.grad is None:
-                        p.grad = torch.empty_like(p)
-                    p.grad.copy_(flat[offset : offset + k].view_as(p)).div_(self.world_size)
+                    p.grad.copy_(mean)
                 offset += k
             bucket.ready.clear()
-            bucket.work = bucket.buffer = None
+            bucket.work = None
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -153,4 +169,4 @@ class BucketedDDP(nn.Module):
             self.require_sync = previous
 
 
-__all__ = ["Bucket", "BucketedDDP", "unflatten_into"]
+__all__ = ["Bucket", "BucketedDDP"]
