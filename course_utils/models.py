@@ -103,3 +103,13 @@ class UnusedParamMLP(ToyMLP):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.unused = nn.Linear(32, 32)
+
+
+def pipeline_mlp(
+    d_in: int = 16, width: int = 64, depth: int = 8, classes: int = 4
+) -> nn.Sequential:
+    """A stack of ``depth`` Linear+Tanh blocks and a linear head: ``depth + 1`` layers to cut into stages."""
+    layers = [
+        nn.Sequential(nn.Linear(d_in if i == 0 else width, width), nn.Tanh()) for i in range(depth)
+    ]
+    return nn.Sequential(*layers, nn.Linear(width, classes))

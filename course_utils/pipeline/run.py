@@ -1,0 +1,192 @@
+"""Launching a pipeline: checks before any process starts, the per-rank worker, and equivalence.
+
+    from course_utils.pipeline.run import run_pipeline
+    res = run_pipeline(pipeline_mlp, "1f1b", p=2, m=4)       # every rank: max |param diff| per step
+
+``schedule`` is one of the from-scratch ``naive`` / ``gpipe`` / ``1f1b``, or PyTorch's own
+``torch_gpipe`` / ``torch_1f1b`` / ``torch_interleaved`` (``torch.distributed.pipelining`` with
+manual ``PipelineStage``s; interleaved puts ``v`` chunks on each rank). Each rank also trains a
+single-process copy of the whole model on the whole batch and reports the largest difference
+between its stage's parameters and the copy's after every step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .partition import boundary_shapes, check_sequential, partition
+from .schedules import RUNTIME_SCHEDULES, StageRunner, train_step
+
+TORCH_SCHEDULES = ("torch_gpipe", "torch_1f1b", "torch_interleaved")
+
+
+def check_pipeline(
+    make_model: Callable[[], nn.Module],
+    p: int,
+    m: int,
+    global_batch: int,
+    v: int = 1,
+    schedule: str = "1f1b",
+) -> None:
+    """Every input error a pipeline run can have, raised before any process starts."""
+    if schedule not in RUNTIME_SCHEDULES + TORCH_SCHEDULES:
+        raise ValueError(
+            f"unknown schedule {schedule!r}: choose one of {RUNTIME_SCHEDULES + TORCH_SCHEDULES}"
+        )
+    if p < 1 or m < 1:
+        raise ValueError(f"need p >= 1 stages and m >= 1 micro-batches, got p={p}, m={m}")
+    if schedule == "naive" and m != 1:
+        raise ValueError(f"the naive schedule runs the whole batch at once: m must be 1, got m={m}")
+    chunks = p * (v if schedule == "torch_interleaved" else 1)
+    check_sequential(make_model(), chunks)
+    if global_batch % m:
+        raise ValueError(
+            f"a batch of {global_batch} does not split into m={m} equal micro-batches: "
+            f"choose m among {[d for d in range(1, global_batch + 1) if global_batch % d == 0]}"
+        )
+    if schedule == "torch_interleaved" and (v < 2 or m % p):
+        raise ValueError(
+            f"torch_interleaved needs v >= 2 chunks per rank and m a multiple of p; got v={v}, m={m}, p={p}"
+        )
+
+
+def _torch_step(stages, schedule: str, m: int, x, y, loss_fn, first: bool, last: bool):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    cls = {
+        "torch_gpipe": ScheduleGPipe,
+        "torch_1f1b": Schedule1F1B,
+        "torch_interleaved": ScheduleInterleaved1F1B,
+    }[schedule]
+    sched = cls(
+        stages if schedule == "torch_interleaved" else stages[0], n_microbatches=m, loss_fn=loss_fn
+    )
+    losses: list = []
+    if first and last:
+        sched.step(x, target=y, losses=losses)
+    elif first:
+        sched.step(x)
+    elif last:
+        sched.step(target=y, losses=losses)
+    else:
+        sched.step()
+    return [loss.item() for loss in losses]
+
+
+def pipeline_worker(
+    ctx,
+    make_model: Callable[[], nn.Module],
+    schedule: str,
+    m: int,
+    steps: int = 2,
+    global_batch: int = 16,
+    d_in: int = 16,
+    classes: int = 4,
+    lr: float = 0.1,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    v: int = 1,
+    balance: str = "params",
+    compare: bool = True,
+) -> dict:
+    """Train stage ``ctx.rank`` of the pipeline (under ``launch``); report equivalence, memory and time."""
+    p, rank = ctx.world_size, ctx.rank
+    torch.manual_seed(seed)
+    model = make_model().to(ctx.device, dtype)
+    reference = make_model().to(ctx.device, dtype) if compare else None
+    if reference is not None:
+        reference.load_state_dict(model.state_dict())
+    loss_fn = nn.functional.cross_entropy
+    data = torch.Generator().manual_seed(seed + 1)
+    micro = global_batch // m
+    sample = torch.zeros(micro, d_in, dtype=dtype, device=ctx.device)
+    chunks_per_rank = v if schedule == "torch_interleaved" else 1
+    bounds = partition(model, p * chunks_per_rank, by=balance, sample=sample)
+    my_chunks = [
+        rank + p * j for j in range(chunks_per_rank)
+    ]  # interleaved: rank r holds r, r+p, ...
+    modules = [nn.Sequential(*list(model)[a:b]) for a, b in (bounds[c] for c in my_chunks)]
+    params = [q for mod in modules for q in mod.parameters()]
+    opt = torch.optim.SGD(params, lr=lr)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=lr) if reference is not None else None
+    if schedule in RUNTIME_SCHEDULES:
+        shapes = boundary_shapes(model, bounds, sample)
+        runner = StageRunner(
+            modules[0],
+            rank,
+            p,
+            shapes[rank - 1] if rank else None,
+            shapes[rank],
+            dtype,
+            ctx.device,
+            loss_fn,
+        )
+    else:
+        from torch.distributed.pipelining import PipelineStage
+
+        stages = [
+            PipelineStage(mod, c, p * chunks_per_rank, ctx.device)
+            for mod, c in zip(modules, my_chunks)
+        ]
+    diffs, times, losses = [], [], []
+    for _ in range(steps):
+        x = torch.randn(global_batch, d_in, generator=data, dtype=dtype).to(ctx.device)
+        y = torch.randint(classes, (global_batch,), generator=data).to(ctx.device)
+        opt.zero_grad()
+        t0 = time.perf_counter()
+        if schedule in RUNTIME_SCHEDULES:
+            losses = train_step(runner, schedule, list(x.chunk(m)), list(y.chunk(m)))
+        else:
+            losses = _torch_step(stages, schedule, m, x, y, loss_fn, rank == 0, rank == p - 1)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        if reference is not None:
+            opt_ref.zero_grad()
+            loss_fn(reference(x), y).backward()
+            opt_ref.step()
+            ref_layers = list(reference)
+            mine = [
+                q
+                for c in my_chunks
+                for layer in ref_layers[bounds[c][0] : bounds[c][1]]
+                for q in layer.parameters()
+            ]
+            diffs.append(max((a - b).abs().max().item() for a, b in zip(params, mine)))
+    out = {"diffs": diffs, "step_s": times, "losses": losses, "bounds": bounds}
+    if schedule in RUNTIME_SCHEDULES:
+        out.update(peak_held_bytes=runner.peak_held_bytes, micro_bytes=max(runner.micro_bytes))
+    return out
+
+
+def run_pipeline(
+    make_model,
+    schedule: str,
+    p: int,
+    m: int,
+    steps: int = 2,
+    global_batch: int = 16,
+    v: int = 1,
+    launch_kwargs: dict | None = None,
+    **worker_kwargs,
+):
+    """Check the arguments, then launch ``p`` ranks running :func:`pipeline_worker`."""
+    from ..launcher import launch
+
+    check_pipeline(make_model, p, m, global_batch, v, schedule)
+    kwargs = {"timeout": 300, "echo": False, **(launch_kwargs or {})}
+    return launch(
+        pipeline_worker,
+        p,
+        make_model=make_model,
+        schedule=schedule,
+        m=m,
+        steps=steps,
+        global_batch=global_batch,
+        v=v,
+        **kwargs,
+        **worker_kwargs,
+    )

@@ -1,0 +1,107 @@
+"""Running a pipeline schedule for real: one stage per rank, micro-batches through P2P.
+
+Each rank executes *the simulator's own* action list for its stage
+(:func:`.simulate._order`). The measured timeline and the theory therefore describe the same
+schedule:
+
+- ``naive``: the whole batch as one micro-batch (``m = 1``): model parallelism with no overlap;
+- ``gpipe``: all ``m`` forwards, then all ``m`` backwards;
+- ``1f1b``: warm-up forwards, then one forward / one backward, then the remaining backwards.
+
+Forward ``F{i}`` on stage ``s``: receive micro-batch ``i``'s activation from ``s-1`` (the first
+stage takes the input itself), run the stage, send the output to ``s+1`` (the last stage computes
+the loss, divided by ``m`` so that the gradients add up to the full batch's mean). Backward
+``B{i}``: receive the output's gradient from ``s+1`` (the last stage starts from its loss),
+backpropagate through the stage, send the input's gradient to ``s-1``. Gradients accumulate over
+the micro-batches; the optimizer steps after the flush. Every action is labelled
+``pipeline:F{i}`` / ``pipeline:B{i}`` in profiler traces.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from ..measure import saved_activations
+from . import p2p
+from .simulate import _order
+
+RUNTIME_SCHEDULES = ("naive", "gpipe", "1f1b")
+
+
+class StageRunner:
+    """Stage ``stage`` of ``p``: its layers, its neighbours' shapes, and the micro-batches in flight."""
+
+    def __init__(
+        self, module: nn.Module, stage: int, p: int, in_shape, out_shape, dtype, device, loss_fn
+    ):
+        self.module, self.stage, self.p = module, stage, p
+        self.in_shape, self.out_shape = in_shape, out_shape
+        self.dtype, self.device, self.loss_fn = dtype, device, loss_fn
+        self.first, self.last = stage == 0, stage == p - 1
+        self.pending: list = []
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.held: dict[int, int] = {}
+        self.held_bytes = self.peak_held_bytes = 0
+        self.micro_bytes: list[int] = []
+
+    def forward(self, i: int, x: torch.Tensor | None, y: torch.Tensor | None, m: int) -> None:
+        with record_function(f"pipeline:F{i}"):
+            if self.first:
+                inp = x
+            else:
+                inp = p2p.recv(
+                    self.in_shape, self.dtype, self.device, self.stage - 1
+                ).requires_grad_()
+            with saved_activations() as mem:
+                out = self.module(inp)  # (B/m, ...) -> (B/m, ...)
+                if self.last:
+                    out = (
+                        self.loss_fn(out, y) / m
+                    )  # scalar: this micro-batch's share of the mean loss
+            if not self.last:
+                p2p.send(out, self.stage + 1, self.pending)
+            self.inputs[i], self.outputs[i] = inp, out
+            self.held[i] = mem["bytes"]
+            self.micro_bytes.append(mem["bytes"])
+            self.held_bytes += mem["bytes"]
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+
+    def backward(self, i: int) -> None:
+        with record_function(f"pipeline:B{i}"):
+            out = self.outputs.pop(i)
+            if self.last:
+                out.backward()
+            else:
+                grad = p2p.recv(self.out_shape, self.dtype, self.device, self.stage + 1)
+                out.backward(grad)
+            inp = self.inputs.pop(i)
+            if not self.first:
+                p2p.send(inp.grad, self.stage - 1, self.pending)
+            self.held_bytes -= self.held.pop(i)
+
+    def finish(self) -> None:
+        p2p.wait_all(self.pending)
+
+
+def train_step(runner: StageRunner, schedule: str, micro_x: list, micro_y: list) -> list[float]:
+    """One training step of ``schedule`` on this stage; returns the last stage's micro-batch losses."""
+    if schedule not in RUNTIME_SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}: choose one of {RUNTIME_SCHEDULES}")
+    m = len(micro_y) if micro_y is not None else len(micro_x)
+    name = "gpipe" if schedule == "naive" else schedule
+    losses = []
+    for action in _order(name, runner.p, m, 1)[runner.stage]:
+        i = action.micro
+        if action.kind == "F":
+            runner.forward(
+                i, micro_x[i] if runner.first else None, micro_y[i] if runner.last else None, m
+            )
+            if runner.last:
+                losses.append(runner.outputs[i].item() * m)
+        else:
+            runner.backward(i)
+    runner.finish()
+    return losses

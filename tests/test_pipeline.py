@@ -1,0 +1,123 @@
+"""Pipeline parallelism: the simulator against closed forms, partitioning, bad input, equivalence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from course_utils.models import pipeline_mlp
+from course_utils.pipeline.partition import balanced_split, boundary_shapes, partition
+from course_utils.pipeline.run import check_pipeline, run_pipeline
+from course_utils.pipeline.simulate import simulate, theory_bubble
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (4, 1), (4, 4), (4, 8), (8, 16), (3, 5)])
+def test_bubble_matches_closed_form(name, p, m):
+    s = simulate(name, p, m)
+    assert s.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    assert s.total == pytest.approx((m + p - 1) * 3.0)  # t_f = 1, t_b = 2
+    assert len(s.timeline) == 2 * p * m
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (2, 6, 3)])
+def test_interleaving_shrinks_the_bubble_by_v(p, m, v):
+    s = simulate("interleaved", p, m, v)
+    assert s.bubble == pytest.approx(theory_bubble(p, m, v), abs=1e-12)
+    assert s.bubble < simulate("1f1b", p, m).bubble
+
+
+def test_peak_in_flight_gpipe_m_1f1b_at_most_p():
+    p, m = 4, 8
+    assert simulate("gpipe", p, m).peak_in_flight == [m] * p
+    assert simulate("1f1b", p, m).peak_in_flight == [
+        4,
+        3,
+        2,
+        1,
+    ]  # p - s on stage s, never more than p
+    assert max(simulate("1f1b", 4, 2).peak_in_flight) == 2  # and never more than m
+
+
+def test_unequal_backward_time_and_bad_arguments():
+    s = simulate("1f1b", 2, 4, t_f=1, t_b=1)
+    assert s.bubble == pytest.approx(1 / 5)
+    with pytest.raises(ValueError, match="multiple of p"):
+        simulate("interleaved", 4, 6, 2)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        simulate("zigzag", 2, 2)
+
+
+def test_balanced_split_and_partition():
+    assert balanced_split([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
+    assert balanced_split([8, 1, 1, 1, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 9)]
+    model = pipeline_mlp(depth=7)  # 8 layers: the first is 16x64, the others 64x64 (and the head)
+    bounds = partition(model, 4)
+    assert len(bounds) == 4 and bounds[0][0] == 0 and bounds[-1][1] == 8
+    assert all(a < b for a, b in bounds)
+    shapes = boundary_shapes(model, bounds, torch.zeros(5, 16))
+    assert shapes[-1] == (5, 4) and all(s == (5, 64) for s in shapes[:-1])
+    timed = partition(model, 2, by="time", sample=torch.randn(8, 16))
+    assert timed[0][0] == 0 and timed[-1][1] == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(p=12, m=2, global_batch=16), ValueError, "only 9 layers: use at most 9 stages"),
+        (dict(p=2, m=3, global_batch=16), ValueError, "does not split into m=3"),
+        (dict(p=2, m=4, global_batch=16, schedule="naive"), ValueError, "m must be 1"),
+        (
+            dict(p=2, m=3, global_batch=12, schedule="torch_interleaved", v=2),
+            ValueError,
+            "multiple of p",
+        ),
+        (dict(p=2, m=2, global_batch=16, schedule="zigzag"), ValueError, "unknown schedule"),
+    ],
+)
+def test_bad_input_before_any_process(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        check_pipeline(pipeline_mlp, **kwargs)
+
+
+def test_model_must_be_sequential(runs_root):
+    class NotSequential(nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        run_pipeline(NotSequential, "1f1b", p=2, m=2)
+    assert not runs_root.exists() or not any(runs_root.iterdir())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_from_scratch_pipeline_equals_one_process(runs_root, schedule, p, m):
+    res = run_pipeline(pipeline_mlp, schedule, p=p, m=m, steps=3)
+    for rank, out in enumerate(res.results):
+        assert max(out["diffs"]) < 1e-12, (schedule, p, m, rank, out["diffs"])
+
+
+@pytest.mark.multiprocess
+def test_naive_and_memory_gpipe_vs_1f1b(runs_root):
+    assert (
+        max(max(o["diffs"]) for o in run_pipeline(pipeline_mlp, "naive", p=2, m=1).results) < 1e-12
+    )
+    gp = run_pipeline(pipeline_mlp, "gpipe", p=2, m=8, steps=1).results
+    fb = run_pipeline(pipeline_mlp, "1f1b", p=2, m=8, steps=1).results
+    for stage in range(2):  # activations held at the peak, in micro-batches, as the simulator says
+        assert gp[stage]["peak_held_bytes"] == 8 * gp[stage]["micro_bytes"]
+        assert fb[stage]["peak_held_bytes"] == (2 - stage) * fb[stage]["micro_bytes"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "schedule, p, m, v",
+    [("torch_gpipe", 2, 4, 1), ("torch_1f1b", 2, 4, 1), ("torch_interleaved", 2, 4, 2)],
+)
+def test_torch_pipelining_equals_one_process(runs_root, schedule, p, m, v):
+    res = run_pipeline(pipeline_mlp, schedule, p=p, m=m, v=v, steps=2)
+    assert max(max(o["diffs"]) for o in res.results) < 1e-12
