@@ -57,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     dd.add_argument("--world-size", type=int, default=2)
     dd.add_argument("--rounds", type=int, default=5)
     dd.add_argument("--json", action="store_true")
+    pp = bsub.add_parser(
+        "pipeline", help="pipeline bubble vs theory, throughput vs m, 1F1B vs torch's"
+    )
+    pp.add_argument("--stages", type=int, default=2)
+    pp.add_argument("--global-batch", type=int, default=1024)
+    pp.add_argument("--rounds", type=int, default=5)
+    pp.add_argument("--json", action="store_true")
     t = bsub.add_parser("traces", help="parse + analyse speed on 8 generated ~50 MB rank traces")
     t.add_argument("--ranks", type=int, default=8)
     t.add_argument("--mb", type=float, default=50.0, help="size of each trace")
@@ -107,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
                 result = bench_ddp.run(args.world_size, args.rounds)
             print(json.dumps(result, indent=2) if args.json else bench_ddp.table(result))
+        elif args.bench_cmd == "pipeline":
+            from .bench import pipeline as bench_pipeline
+
+            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+                result = bench_pipeline.run(args.stages, args.global_batch, rounds=args.rounds)
+            print(json.dumps(result, indent=2) if args.json else bench_pipeline.table(result))
         else:
             from .bench import traces as bench_traces
 

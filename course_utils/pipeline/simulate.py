@@ -174,32 +174,41 @@ def simulate(
     return sched
 
 
-def gantt(sched: Schedule, ax=None, title: str | None = None):
-    """Draw the schedule like the classic pipeline figure: one row per stage, F and B boxes numbered."""
+def draw_timeline(
+    timeline: list[Timed], p: int, ax=None, title: str = "", unit: str = "units of t_f"
+):
+    """One row per stage, F and B boxes labelled with their micro-batch (simulated or measured)."""
     import matplotlib.pyplot as plt
 
-    ax = ax or plt.subplots(figsize=(min(16, 1.0 + 0.35 * sched.total), 0.5 * sched.p + 1.2))[1]
+    span = max(t.end for t in timeline) - min(t.start for t in timeline)
+    ax = ax or plt.subplots(figsize=(11, 0.5 * p + 1.2))[1]
     cmap = plt.get_cmap("tab20")
-    for t in sched.timeline:
+    for t in timeline:
         color = cmap((t.action.micro % 10) * 2 + (1 if t.action.kind == "B" else 0))
         ax.broken_barh(
             [(t.start, t.end - t.start)], (t.stage - 0.4, 0.8), facecolors=color, edgecolor="white"
         )
-        ax.text(
-            (t.start + t.end) / 2,
-            t.stage,
-            f"{t.action.kind}{t.action.micro}",
-            ha="center",
-            va="center",
-            fontsize=7,
-        )
-    ax.set_yticks(range(sched.p), [f"stage {s}" for s in range(sched.p)])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (units of t_f)")
-    ax.set_title(
-        title
-        or f"{sched.name}: p={sched.p}, m={sched.m}"
+        if (t.end - t.start) > span / 60:
+            ax.text(
+                (t.start + t.end) / 2,
+                t.stage,
+                f"{t.action.kind}{t.action.micro}",
+                ha="center",
+                va="center",
+                fontsize=7,
+            )
+    ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_title(title)
+    return ax
+
+
+def gantt(sched: Schedule, ax=None, title: str | None = None):
+    """The simulated schedule as a Gantt chart, like the classic pipeline figure."""
+    title = title or (
+        f"{sched.name}: p={sched.p}, m={sched.m}"
         + (f", v={sched.v}" if sched.v > 1 else "")
         + f"   bubble {sched.bubble:.0%}"
     )
-    return ax
+    return draw_timeline(sched.timeline, sched.p, ax, title)

@@ -1,0 +1,71 @@
+"""The pipeline as it really ran: F/B events from each stage's profiler trace, and its bubble.
+
+The runtime labels every action ``pipeline:F{i}`` / ``pipeline:B{i}`` (:mod:`.schedules`), so the
+trace of stage ``s`` holds when each micro-batch's forward and backward ran there. The measured
+bubble of a stage is the fraction of the step during which it ran neither:
+``1 - busy / step``. Its time includes waiting in ``recv`` for a neighbour, which is exactly the
+bubble, while the transfer itself overlaps the neighbour's work.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from ..profiling.analysis import union
+from ..profiling.trace import Trace
+from .simulate import Action, Timed
+
+LABEL = re.compile(r"^pipeline:([FB])(\d+)$")
+
+
+def stage_events(trace: Trace, step_index: int = -1) -> list[Timed]:
+    """The F/B actions of one recorded step (default: the last) on this trace's stage, times in ms.
+
+    A labelled action starts with a blocking ``recv``; the time spent waiting there is not work, so
+    each action's start is moved to the end of its receive (the ``c10d::recv`` or gloo event inside it).
+    """
+    _, s0, s1 = trace.steps[step_index]
+    main = trace.lane == trace.main_lane
+    out = []
+    recv_ids = [
+        i
+        for i, n in enumerate(trace.names)
+        if n.startswith(("c10d::recv", "gloo:recv", "nccl:recv"))
+    ]
+    recv = np.isin(trace.name_id, recv_ids) & main
+    for nid, name in enumerate(trace.names):
+        m = LABEL.match(name)
+        if not m:
+            continue
+        for idx in np.flatnonzero(
+            (trace.name_id == nid) & main & (trace.start >= s0) & (trace.end <= s1)
+        ):
+            start, end = trace.start[idx], trace.end[idx]
+            inner = recv & (trace.start >= start) & (trace.end <= end)
+            if inner.any():
+                start = trace.end[inner].max()
+            out.append(
+                Timed(
+                    trace.rank,
+                    Action(m.group(1), int(m.group(2)), trace.rank),
+                    (start - s0) / 1e3,
+                    (end - s0) / 1e3,
+                )
+            )
+    return sorted(out, key=lambda t: t.start)
+
+
+def measured_bubble(traces: dict[int, Trace]) -> dict:
+    """Per stage and overall: idle fraction of the recorded steps (work = F/B minus receive waits)."""
+    per_stage = {}
+    for rank, t in traces.items():
+        fractions = []
+        for k in range(len(t.steps)):
+            events = stage_events(t, k)
+            step_ms = (t.steps[k][2] - t.steps[k][1]) / 1e3
+            s, e = union(np.array([ev.start for ev in events]), np.array([ev.end for ev in events]))
+            fractions.append(1.0 - float((e - s).sum()) / step_ms)
+        per_stage[rank] = float(np.mean(fractions))
+    return {"per_stage": per_stage, "mean": float(np.mean(list(per_stage.values())))}
