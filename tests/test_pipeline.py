@@ -74,6 +74,11 @@ def test_balanced_split_and_partition():
             "multiple of p",
         ),
         (dict(p=2, m=2, global_batch=16, schedule="zigzag"), ValueError, "unknown schedule"),
+        (
+            dict(p=2, m=2, global_batch=16, world_size=4),
+            ValueError,
+            "world_size=4 does not match 2 stages",
+        ),
     ],
 )
 def test_bad_input_before_any_process(kwargs, exc, words):

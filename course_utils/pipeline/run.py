@@ -31,8 +31,14 @@ def check_pipeline(
     global_batch: int,
     v: int = 1,
     schedule: str = "1f1b",
+    world_size: int | None = None,
 ) -> None:
     """Every input error a pipeline run can have, raised before any process starts."""
+    if world_size is not None and world_size != p:
+        raise ValueError(
+            f"world_size={world_size} does not match {p} stages: a pipeline runs one stage per rank "
+            f"(v chunks per rank when interleaved). Launch {p} ranks, or cut the model into {world_size} stages."
+        )
     if schedule not in RUNTIME_SCHEDULES + TORCH_SCHEDULES:
         raise ValueError(
             f"unknown schedule {schedule!r}: choose one of {RUNTIME_SCHEDULES + TORCH_SCHEDULES}"
@@ -172,12 +178,16 @@ def run_pipeline(
     global_batch: int = 16,
     v: int = 1,
     launch_kwargs: dict | None = None,
+    world_size: int | None = None,
     **worker_kwargs,
 ):
-    """Check the arguments, then launch ``p`` ranks running :func:`pipeline_worker`."""
+    """Check the arguments, then launch ``p`` ranks running :func:`pipeline_worker`.
+
+    ``world_size``, when given, must equal ``p``: one stage per rank.
+    """
     from ..launcher import launch
 
-    check_pipeline(make_model, p, m, global_batch, v, schedule)
+    check_pipeline(make_model, p, m, global_batch, v, schedule, world_size)
     kwargs = {"timeout": 300, "echo": False, **(launch_kwargs or {})}
     return launch(
         pipeline_worker,
