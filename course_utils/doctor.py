@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .data import DATASETS, data_root, load_dataset
 from .launcher import launch
 from .launcher.rundir import runs_root
-from .sizes import default_size_name, get_size
+from .sizes import get_size
 
 
 def _gpus() -> list[dict]:
@@ -172,4 +172,4 @@ def main(as_json: bool = False, run_checks: bool = True) -> int:
     return 1 if failed else 0
 
 
-__all__ = ["collect", "render", "main", "default_size_name"]
+__all__ = ["collect", "render", "main"]

@@ -6,13 +6,13 @@ machine noise hits both alike. Reports median step time and the throughput ratio
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import time
 
 import torch
 from torch import nn
+
+from . import provenance
 
 
 def _model(width: int, depth: int) -> nn.Module:
@@ -81,8 +81,7 @@ def run(world_size: int = 2, rounds: int = 5, **worker_kwargs) -> dict:
         "median_step_s": med,
         "throughput_ratio": med["torch"] / med["ours"],
         "backend": res.backend,
-        "machine": f"{platform.node()} ({os.cpu_count()} cores)",
-        "date": time.strftime("%Y-%m-%d"),
+        **provenance(),
         "config": {
             "batch_per_rank": 64,
             "width": 1024,

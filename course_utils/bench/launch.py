@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -26,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from . import provenance
 
 SCRIPT = Path(__file__).with_name("allreduce_script.py")
 
@@ -116,8 +117,7 @@ def run(world_size: int = 4, rounds: int = 5, later: int = 5) -> dict:
         "rounds": rounds,
         "samples": samples,
         "median": med,
-        "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
-        "date": time.strftime("%Y-%m-%d"),
+        **provenance(),
     }
 
 

@@ -8,10 +8,7 @@ implementations run as alternating launches so that machine noise hits both alik
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
-import time
 
 import torch
 
@@ -21,6 +18,7 @@ from ..pipeline.run import run_pipeline
 from ..pipeline.simulate import theory_bubble
 from ..profiling import ProfileConfig
 from ..profiling.trace import load_traces
+from . import provenance
 
 D_IN, WIDTH, DEPTH = 256, 512, 8
 
@@ -78,8 +76,7 @@ def run(
         "samples_ms": samples,
         "median_ms": med,
         "ratio": med["torch Schedule1F1B"] / med["from-scratch 1f1b"],
-        "machine": f"{platform.node()} ({os.cpu_count()} cores)",
-        "date": time.strftime("%Y-%m-%d"),
+        **provenance(),
         "model": f"pipeline_mlp(d_in={D_IN}, width={WIDTH}, depth={DEPTH}), float32",
     }
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import shutil
 import tempfile
-import time
 from pathlib import Path
+
+from . import provenance
 
 OPS = [
     "aten::mm",
@@ -190,8 +190,7 @@ def run(ranks: int = 8, target_mb: float = 50.0, keep: str | None = None) -> dic
         ranks=ranks,
         mb_each=sum(sizes) / len(sizes) / 1e6,
         total_mb=sum(sizes) / 1e6,
-        machine=f"{platform.node()} ({os.cpu_count()} cores)",
-        date=time.strftime("%Y-%m-%d"),
+        **provenance(),
     )
     result["total_s"] = result["parse_s"] + result["analyse_s"]
     return result

@@ -32,23 +32,20 @@ def check_same_parameters(module: nn.Module, group=None) -> None:
                 f"rank {rank} has a different model than rank {dist.get_rank(group)}: parameter shapes "
                 f"{other} vs {shapes}. Every rank must build the same architecture."
             )
-    with torch.no_grad():
-        mine = (
-            torch.stack([p.detach().double().sum() for _, p in named]) if named else torch.zeros(1)
-        )
-        mine = (
-            torch.cat([mine, torch.stack([p.detach().double().abs().sum() for _, p in named])])
-            if named
-            else mine
-        )
-        ref = mine.clone()
-        dist.broadcast(ref, src=0, group=group)
-        bad = torch.tensor([float(not torch.equal(mine, ref))], device=mine.device)
-        flags = [torch.zeros_like(bad) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(flags, bad, group=group)
-    differing = [r for r, f in enumerate(flags) if f.item()]
+    with torch.no_grad():  # per parameter: (sum, sum of |x|) in float64, a cheap exact fingerprint
+        device = named[0][1].device if named else torch.device("cpu")
+        mine = torch.tensor(
+            [[p.double().sum().item(), p.double().abs().sum().item()] for _, p in named],
+            dtype=torch.float64,
+            device=device,
+        ).reshape(-1, 2)  # (n_params, 2)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+    ref = everyone[0]
+    differing = [r for r, fp in enumerate(everyone) if not torch.equal(fp, ref)]
     if differing:
-        first = next((n for (n, _), a, b in zip(named, mine, ref) if a != b), named[0][0])
+        rows = (everyone[differing[0]] != ref).any(dim=1).nonzero()
+        first = named[int(rows[0])][0]
         raise ValueError(
             f"ranks {differing} start with parameters that differ from rank 0's (first: {first!r}). "
             "Seed every rank the same way before building the model (torch.manual_seed(0)), or "

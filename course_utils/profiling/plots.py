@@ -31,13 +31,10 @@ def timeline(
                 list(zip(s - t0, e - s)), (y - 0.4, 0.8), facecolors=COLORS[c], linewidth=0
             )
         ax.axvline(b.start_ms - t0, color="black", lw=0.4, alpha=0.3)
-    if highlight_straggler and len(ranks) > 1:
-        slow = {analysis.straggler()} - {None}
-        ax.set_yticks(
-            range(len(ranks)), [f"rank {r}" + (" (straggler)" if r in slow else "") for r in ranks]
-        )
-    else:
-        ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    slow = analysis.straggler() if highlight_straggler else None
+    ax.set_yticks(
+        range(len(ranks)), [f"rank {r}" + (" (straggler)" if r == slow else "") for r in ranks]
+    )
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds since the first shown step began")
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[c]) for c in CLASSES]
