@@ -162,8 +162,16 @@ def launch(
     ``profile=True`` (or a :class:`~course_utils.profiling.ProfileConfig`) records a
     ``torch.profiler`` trace per rank, stepped by ``ctx.step()`` in the worker;
     ``res.traces[rank]`` is its path. ``init_process_group=False`` leaves ``dist.init_process_group`` to the
-    worker (``ctx.init_method`` or ``env://`` both work). Keywords that clash
-    with launch's own names go in ``worker_kwargs``.
+    worker (``ctx.init_method`` or ``env://`` both work; ``env://`` finds a store rank 0 serves on
+    ``127.0.0.1``). Keywords that clash with launch's own names go in ``worker_kwargs``.
+
+    Stopping is total. Each rank leads its own process group; however the run ends (success, a
+    failed rank, a timeout, Ctrl-C), every group gets SIGTERM then SIGKILL, so a rank's DataLoader
+    workers and subprocesses, at any depth, end with it. If this process dies, a pipe that only it
+    holds closes and every rank kills its own group. Inside a rank, child processes start with
+    ``fork``: the rank would otherwise inherit this launcher's forkserver as its default, and its
+    DataLoader workers would be that server's children, outside the rank's group and watching the
+    server instead of the rank (:mod:`course_utils.launcher.rank`, step 5).
     """
     kwargs = {**kwargs, **(worker_kwargs or {})}
     if not timeout or timeout <= 0:
@@ -186,6 +194,10 @@ def launch(
         )
     mp_ctx = _procs.get_context(start_method)
     run_dir = new_run_dir(name, runs_root)
+    # The environment travels to the ranks as a process argument (memory), never in payload.pkl.
+    env = dict(os.environ)
+    listener = _procs.loopback_listener()  # rank 0 serves env:// rendezvous from it
+    alive_r, alive_w = mp_ctx.Pipe(duplex=False)  # closes when this process dies: ranks watch it
     payload = {
         "spec": spec,
         "kwargs": cloudpickle.loads(kwargs_blob),
@@ -194,10 +206,8 @@ def launch(
         "backend": backend,
         "device_type": device_type,
         "threads": cpu_threads_per_rank(world_size),
-        "env": dict(os.environ),
-        "master_port": _procs.free_loopback_port(),
+        "master_port": listener.getsockname()[1],
         "gloo_ifname": _procs.loopback_ifname(),
-        "launcher_pid": os.getpid(),
         "init_process_group": init_process_group,
         "pg_timeout": timeout + 60.0,
         "extras": extras or {},
@@ -229,10 +239,15 @@ def launch(
         with _procs.no_main_reimport():
             for r in range(world_size):
                 p = mp_ctx.Process(
-                    target=rank_main, args=(str(run_dir), r), name=f"rank{r}", daemon=False
+                    target=rank_main,
+                    args=(str(run_dir), r, env, alive_r, listener if r == 0 else None),
+                    name=f"rank{r}",
+                    daemon=False,
                 )
-                p.start()
                 procs[r] = p
+                p.start()
+        alive_r.close()  # the ranks hold their copies; the launcher keeps only the write end
+        listener.close()
         results = supervise(procs, run_dir, timeout, tails)
         status = "ok"
     except KeyboardInterrupt:
@@ -244,10 +259,13 @@ def launch(
         raise
     finally:
         stop(procs)
+        alive_w.close()
+        alive_r.close()
+        listener.close()
         meta.update(
             status=status,
             wall_time=time.perf_counter() - t0,
-            pids={r: p.pid for r, p in procs.items()},
+            pids={r: p.pid for r, p in procs.items() if p.pid is not None},
             exitcodes={r: p.exitcode for r, p in procs.items()},
         )
         write_json(run_dir / "launch.json", meta)

@@ -66,11 +66,16 @@ def no_main_reimport():
         mp_spawn.get_preparation_data = original
 
 
-def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for code that insists on ``env://``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def loopback_listener() -> socket.socket:
+    """A TCP socket bound and listening on 127.0.0.1, on a port the kernel picked.
+
+    Bound here, in the launcher, and handed to rank 0: the port is reserved from this moment (no
+    race with another student's launch) and can never be opened on another interface.
+    """
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(128)
+    return s
 
 
 def loopback_ifname() -> str | None:

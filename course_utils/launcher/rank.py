@@ -2,24 +2,39 @@
 
 Order of events in a rank, each step there for a reason:
 
-1. stdout/stderr (the file descriptors, so C++ and NCCL output too) go to
+1. ``os.setsid()``: the rank leads a process group (and session) of its own. Every process it
+   starts (DataLoader workers, ``subprocess.Popen`` children, their children) joins that group
+   unless it leaves on purpose, so the launcher stops the whole tree with one ``killpg``.
+2. stdout/stderr (the file descriptors, so C++ and NCCL output too) go to
    ``rank{r}.out`` / ``rank{r}.err`` in the run dir; the launcher tails them.
-2. The launcher's environment is applied (a forkserver child would otherwise
-   see the environment of the moment the forkserver started), plus the usual
-   ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` variables.
-3. ``faulthandler`` answers SIGUSR1 with every thread's Python stack, so a hung
-   collective can be shown; a watchdog thread ends the rank if the launcher dies.
-4. Threads: ``torch.set_num_threads(cores // ranks_on_node)``.
-5. The process group is initialised from a FileStore in the run dir.
-6. The worker runs; its return value (or its exception) is written atomically.
-7. ``os._exit``: gloo threads still alive after ``destroy_process_group`` can
+3. The launcher's environment, handed over in memory (it never lies on disk: a JupyterHub
+   kernel's environment holds API tokens), plus the usual ``RANK`` / ``WORLD_SIZE`` /
+   ``LOCAL_RANK`` / ``MASTER_ADDR`` variables. Rendezvous and backends listen on loopback only.
+4. ``faulthandler`` answers SIGUSR1 with every thread's Python stack, so a hung collective can be
+   shown. A watchdog thread blocks on a pipe whose other end only the launcher holds: when the
+   launcher dies, even as an unreaped zombie, the pipe closes and the rank kills its group.
+5. Child processes of the rank start with ``fork``. A rank is itself forked from the launcher's
+   forkserver and would otherwise inherit *that* server as its default, and DataLoader workers
+   would become the server's children: outside the rank's process group, watching the server
+   instead of the rank. ``fork`` makes them the rank's own children (and lets a Dataset defined in
+   a notebook cell reach them without pickling). They never touch CUDA; torch sets one thread in
+   each worker, which keeps OpenMP safe after the fork.
+6. Threads: ``torch.set_num_threads(cores // ranks_on_node)``.
+7. The process group is initialised from a FileStore in the run dir. With
+   ``init_process_group=False``, rank 0 serves a TCPStore on ``127.0.0.1:MASTER_PORT`` from a
+   socket the launcher bound in advance, so a worker's own ``env://`` rendezvous finds it there
+   instead of opening a port on every interface.
+8. The worker runs; its return value (or its exception) is written atomically.
+9. ``os._exit``: gloo threads still alive after ``destroy_process_group`` can
    abort a normally ending interpreter (SIGABRT, "terminate called without an
    active exception"); the result is already on disk, so nothing is lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import multiprocessing
 import os
 import runpy
 import signal
@@ -64,20 +79,53 @@ def _redirect_output(run_dir: Path, rank: int) -> None:
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
 
 
-def _watch_launcher(pid: int) -> None:
-    """End this rank when the launching process is gone (kernel killed, terminal closed)."""
+def _watch_launcher(alive) -> None:
+    """End this rank and its whole process group when the launcher is gone.
+
+    ``alive`` is the read end of a pipe whose write end only the launching process holds. The
+    kernel closes it when that process dies, zombie or not, so ``recv`` returns EOF: a check that a
+    dead-but-unreaped parent cannot fool, unlike ``os.kill(pid, 0)``.
+    """
 
     def loop() -> None:
-        while True:
-            time.sleep(0.5)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                os._exit(3)
-            except PermissionError:
-                pass
+        try:
+            alive.recv()  # the launcher never sends: this returns only at EOF
+        except (EOFError, OSError):
+            pass
+        os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=loop, name="course-launcher-watchdog", daemon=True).start()
+
+
+def _serve_loopback_store(listener, port: int, timeout_s: float):
+    """Rank 0: a multi-tenant TCPStore on the launcher's loopback socket, found by ``env://``.
+
+    torch's ``env://`` rendezvous creates its store with ``multi_tenant=True``, which reuses a
+    server this process already runs on the same port instead of binding ``[::]:port`` itself.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    attempts = ({"use_libuv": True}, {"use_libuv": False}, {})  # older torch: no libuv switch
+    for extra in attempts:
+        fd = os.dup(listener.fileno())
+        try:
+            return dist.TCPStore(
+                "127.0.0.1",
+                port,
+                None,
+                True,
+                timeout,
+                wait_for_workers=False,
+                multi_tenant=True,
+                master_listen_fd=fd,
+                **extra,
+            )
+        except (TypeError, RuntimeError, ValueError):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    raise RuntimeError(
+        "this torch cannot serve a TCPStore from a bound socket; use launch(..., "
+        "init_process_group=True) or init_method=ctx.init_method (a FileStore)"
+    )
 
 
 def _init_process_group(ctx: RankContext, timeout_s: float) -> None:
@@ -134,14 +182,20 @@ def _dumps_result(rank: int, record: dict) -> bytes:
         )
 
 
-def rank_main(run_dir: str, rank: int) -> None:
-    """Run one rank of the job stored in ``run_dir``; never returns."""
+def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
+    """Run one rank of the job stored in ``run_dir``; never returns.
+
+    ``env``: the launcher's environment (in memory only). ``alive``: the read end of the
+    launcher's liveness pipe. ``listener``: on rank 0, a socket bound to ``127.0.0.1:MASTER_PORT``.
+    """
+    os.setsid()  # first: everything this rank starts from now on is in its process group
     run_dir = Path(run_dir)
     _redirect_output(run_dir, rank)
+    _watch_launcher(alive)
     payload = cloudpickle.loads((run_dir / PAYLOAD).read_bytes())
     local_rank = rank % payload["local_world_size"]
     os.environ.clear()
-    os.environ.update(payload["env"])
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(local_rank),
@@ -155,13 +209,21 @@ def rank_main(run_dir: str, rank: int) -> None:
         COURSE_BACKEND=payload["backend"],
         COURSE_INIT_METHOD=f"file://{run_dir / STORE}",
     )
-    if payload.get("gloo_ifname") and "GLOO_SOCKET_IFNAME" not in payload["env"]:
-        os.environ["GLOO_SOCKET_IFNAME"] = payload["gloo_ifname"]
+    if payload.get("gloo_ifname"):  # gloo and NCCL's bootstrap listen on loopback only
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", payload["gloo_ifname"])
+        if payload["device_type"] == "cuda":
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", payload["gloo_ifname"])
+    if "fork" in multiprocessing.get_all_start_methods():
+        multiprocessing.set_start_method("fork", force=True)  # see step 5 above
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when ranks stop
     stacks = open(stacks_path(run_dir, rank), "w")  # noqa: SIM115 - must outlive this frame
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    _watch_launcher(payload["launcher_pid"])
     torch.set_num_threads(payload["threads"])
+    store = None  # rank 0's loopback TCPStore lives as long as the rank
+    if listener is not None:
+        if not payload["init_process_group"]:
+            store = _serve_loopback_store(listener, payload["master_port"], payload["pg_timeout"])
+        listener.close()
 
     device = (
         torch.device(payload["device_type"], local_rank)
@@ -217,4 +279,5 @@ def rank_main(run_dir: str, rank: int) -> None:
             print(f"destroy_process_group failed after the result was saved: {e}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
+    del store  # served other ranks' env:// rendezvous until now
     os._exit(0 if ok else 1)

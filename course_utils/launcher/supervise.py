@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -93,18 +94,42 @@ def _tail_text(path: Path, lines: int = 15) -> str:
     return "\n".join(text[-lines:])
 
 
+def _signal_group(p, sig: int) -> None:
+    """Send ``sig`` to rank ``p``'s whole process group: the rank and everything it started.
+
+    A rank calls ``setsid()`` first thing, so its pid is its group's id. Until it has (a rank
+    stopped in its first microseconds), only the process itself is signalled; it has no children
+    yet. A group id stays reserved while any member lives, so signalling it after the rank was
+    reaped reaches only the rank's leftovers.
+    """
+    try:
+        os.killpg(p.pid, sig)
+        return
+    except ProcessLookupError:
+        pass  # no group: the rank has not called setsid yet, or everything in it is gone
+    except PermissionError:
+        return
+    if p.exitcode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p.pid, sig)
+
+
 def stop(procs: dict, grace: float = 1.0) -> None:
-    """SIGTERM every live rank, then SIGKILL what is left after ``grace`` seconds; reap them all."""
-    for p in procs.values():
-        if p.exitcode is None:
-            p.terminate()
+    """SIGTERM every rank's process group, SIGKILL what is left after ``grace`` seconds; reap them all.
+
+    Groups are signalled even when their rank has exited: a rank's DataLoader workers or its own
+    subprocesses may have outlived it.
+    """
+    started = [p for p in procs.values() if p.pid is not None]
+    for p in started:
+        _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    for p in procs.values():
+    for p in started:
         p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs.values():
-        if p.exitcode is None:
-            p.kill()
-            p.join(5)
+    for p in started:
+        _signal_group(p, signal.SIGKILL)
+    for p in started:
+        p.join(5)
 
 
 def harvest(procs: dict, run_dir: Path, results: dict, skip: int | None = None) -> None:
