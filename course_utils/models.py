@@ -105,6 +105,44 @@ class UnusedParamMLP(ToyMLP):
         self.unused = nn.Linear(32, 32)
 
 
+class RankDependentMLP(nn.Module):
+    """Ranks that do not behave alike: forward depends on ``self.rank``.
+
+    - even ranks run ``a(h) + b(h)``, odd ranks ``b(h) + a(h)``: backward computes the later
+      branch first, so ``a``'s and ``b``'s gradients become ready in opposite orders;
+    - ``extra`` runs on odd ranks only: even ranks have no gradient for it.
+
+    ``rank`` is an ordinary attribute set by the caller (the parity harness sets it to the
+    rank, and loops over every rank's behaviour for the single-process reference).
+    """
+
+    def __init__(self, d_in: int = 16, hidden: int = 32, classes: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.a, self.b = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.extra = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, classes)
+        self.rank = 0
+
+    def forward(self, x):  # (B, d_in) -> (B, classes)
+        h = torch.relu(self.fc1(x))
+        h = self.a(h) + self.b(h) if self.rank % 2 == 0 else self.b(h) + self.a(h)
+        if self.rank % 2 == 1:
+            h = self.extra(torch.relu(h))
+        return self.head(torch.relu(h))
+
+
+class BatchNormMLP(ToyMLP):
+    """An MLP with a ``BatchNorm1d`` (buffers: running mean and variance) after ``fc1``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bn = nn.BatchNorm1d(self.fc1.out_features)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.bn(self.fc1(x))))))
+
+
 def pipeline_mlp(
     d_in: int = 16, width: int = 64, depth: int = 8, classes: int = 4
 ) -> nn.Sequential:

@@ -11,11 +11,15 @@ laptop, ``gpu`` is the full course. ``COURSE_SIZE`` picks one; otherwise
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
 SIZE_ENV = "COURSE_SIZE"
+
+
+_MINIMUM = {"warmup_steps": 0, "num_workers": 0, "max_message_bytes": 1024}
+"""Smallest allowed value per field; every other count must be at least 1."""
 
 
 @dataclass(frozen=True)
@@ -48,29 +52,34 @@ class Size:
     """Largest message in the collective benchmarks."""
 
     def __post_init__(self):
-        for name in (
-            "train_samples",
-            "test_samples",
-            "batch_size",
-            "epochs",
-            "width",
-            "bench_steps",
-            "world_size",
-        ):
-            if getattr(self, name) < 1:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Size needs a non-empty name, got {self.name!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "name":
+                continue
+            if f.name == "compile":
+                if not isinstance(value, bool):
+                    raise ValueError(
+                        f"Size {self.name!r}: compile must be True or False, got {value!r}"
+                    )
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(
-                    f"Size {self.name!r}: {name} must be >= 1, got {getattr(self, name)}"
+                    f"Size {self.name!r}: {f.name} must be a whole number, got {value!r}"
                 )
+            low = _MINIMUM.get(f.name, 1)
+            if value < low:
+                raise ValueError(f"Size {self.name!r}: {f.name} must be >= {low}, got {value}")
         if self.batch_size > self.train_samples:
             raise ValueError(
                 f"Size {self.name!r}: batch_size={self.batch_size} exceeds train_samples={self.train_samples}"
             )
-        if self.max_message_bytes < 1024:
+        if self.batch_size % self.world_size:
             raise ValueError(
-                f"Size {self.name!r}: max_message_bytes must be >= 1024, got {self.max_message_bytes}"
+                f"Size {self.name!r}: batch_size={self.batch_size} is the global batch and must split "
+                f"evenly over world_size={self.world_size} ranks"
             )
-        if self.warmup_steps < 0 or self.num_workers < 0:
-            raise ValueError(f"Size {self.name!r}: warmup_steps and num_workers must be >= 0")
 
     def asdict(self) -> dict:
         return asdict(self)

@@ -156,3 +156,40 @@ def test_synthetic_train_and_test_share_classes_but_not_samples():
     test = load_dataset("cifar10", train=False, root="/nonexistent", limit=8)
     assert torch.equal(train.dataset.prototypes, test.dataset.prototypes)
     assert not torch.equal(train.dataset[0][0], test.dataset[0][0])
+
+
+# ---- Size presets: every field validated ------------------------------------------------------
+
+from dataclasses import fields as _fields  # noqa: E402
+
+from course_utils.sizes import PRESETS, Size  # noqa: E402
+
+COUNT_FIELDS = [f.name for f in _fields(Size) if f.name not in ("name", "compile")]
+
+
+@pytest.mark.parametrize("field", COUNT_FIELDS)
+@pytest.mark.parametrize("bad", ["just below", "negative", 2.5, True])
+def test_size_rejects_bad_counts(field, bad):
+    ci = PRESETS["ci"].asdict()
+    low = {"warmup_steps": 0, "num_workers": 0, "max_message_bytes": 1024}.get(field, 1)
+    value = {"just below": low - 1, "negative": -5}.get(bad, bad)
+    with pytest.raises(ValueError) as info:
+        Size(**{**ci, field: value})
+    assert field in str(info.value) and repr(value) in str(info.value)
+
+
+def test_size_rejects_cross_field_mistakes():
+    ci = PRESETS["ci"].asdict()
+    with pytest.raises(ValueError, match="exceeds train_samples"):
+        Size(**{**ci, "batch_size": ci["train_samples"] * 2})
+    with pytest.raises(ValueError, match="split evenly over world_size=3"):
+        Size(**{**ci, "world_size": 3})
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        Size(**{**ci, "compile": "yes"})
+    with pytest.raises(ValueError, match="non-empty name"):
+        Size(**{**ci, "name": ""})
+
+
+def test_presets_are_valid():
+    for name, preset in PRESETS.items():
+        assert preset.name == name and Size(**preset.asdict()) == preset

@@ -7,9 +7,17 @@ import torch
 from torch import nn
 
 from course_utils.models import pipeline_mlp
-from course_utils.pipeline.partition import balanced_split, boundary_shapes, partition
-from course_utils.pipeline.run import check_pipeline, run_pipeline
-from course_utils.pipeline.simulate import simulate, theory_bubble
+from course_utils.pipeline import partition as partition_module
+from course_utils.pipeline.partition import balanced_split, boundary_shapes, partition, time_costs
+from course_utils.pipeline.run import check_pipeline
+from course_utils.pipeline.run import run_pipeline as _run_pipeline
+from course_utils.pipeline.simulate import _order, simulate, theory_bubble
+
+
+def run_pipeline(*args, **kwargs):
+    """run_pipeline with a launch timeout well under pytest's 300 s: a hang fails with every
+    rank's stack from the launcher, not with pytest's bare timeout."""
+    return _run_pipeline(*args, launch_kwargs={"timeout": 90}, **kwargs)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -75,6 +83,12 @@ def test_balanced_split_and_partition():
         ),
         (dict(p=2, m=2, global_batch=16, schedule="zigzag"), ValueError, "unknown schedule"),
         (
+            dict(p=2, m=4, global_batch=16, schedule="torch_interleaved", v=8),
+            ValueError,
+            "16 virtual stages, but the model has only 9 layers",
+        ),
+        (dict(p=2, m=4, global_batch=16, schedule="1f1b", v=2), ValueError, "needs schedule="),
+        (
             dict(p=2, m=2, global_batch=16, world_size=4),
             ValueError,
             "world_size=4 does not match 2 stages",
@@ -84,6 +98,46 @@ def test_balanced_split_and_partition():
 def test_bad_input_before_any_process(kwargs, exc, words):
     with pytest.raises(exc, match=words):
         check_pipeline(pipeline_mlp, **kwargs)
+
+
+def test_interleaving_beyond_the_layers_is_refused_before_any_process(runs_root):
+    with pytest.raises(ValueError, match="virtual stages"):
+        _run_pipeline(pipeline_mlp, "torch_interleaved", p=2, m=4, v=8)
+    assert not runs_root.exists() or not any(runs_root.iterdir())
+
+
+# The 1F1B order written out by hand (PipeDream-Flush, Narayanan et al. 2021): stage s runs
+# min(p - s - 1, m) warm-up forwards, then alternates one forward and one backward, then drains.
+ONE_F_ONE_B = {
+    (2, 3): ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"],
+    (3, 4): ["F0 F1 F2 B0 F3 B1 B2 B3", "F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"],
+    (4, 2): ["F0 F1 B0 B1", "F0 F1 B0 B1", "F0 F1 B0 B1", "F0 B0 F1 B1"],
+    (2, 1): ["F0 B0", "F0 B0"],
+}
+
+
+@pytest.mark.parametrize("p, m", list(ONE_F_ONE_B))
+def test_1f1b_order_matches_the_hand_written_table(p, m):
+    got = [" ".join(f"{a.kind}{a.micro}" for a in acts) for acts in _order("1f1b", p, m, 1)]
+    assert got == ONE_F_ONE_B[(p, m)]
+
+
+def test_time_costs_synchronizes_and_leaves_gradients_alone(monkeypatch):
+    calls = []
+    monkeypatch.setattr(partition_module, "synchronize", lambda device: calls.append(device))
+    model = pipeline_mlp(depth=3)
+    layers = list(model)
+    model(torch.randn(4, 16)).sum().backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    costs = time_costs(layers, torch.randn(8, 16), repeats=3)
+    assert len(costs) == len(layers) and all(c > 0 for c in costs)
+    assert len(calls) == 2 * 3 * len(layers)  # before and after every timed forward + backward
+    assert all(torch.device(d) == torch.device("cpu") for d in calls)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, before[n]), n  # not the measurement's accumulated gradients
+    fresh = pipeline_mlp(depth=3)
+    time_costs(list(fresh), torch.randn(8, 16), repeats=2)
+    assert all(p.grad is None for p in fresh.parameters())
 
 
 def test_model_must_be_sequential(runs_root):
@@ -104,6 +158,8 @@ def test_from_scratch_pipeline_equals_one_process(runs_root, schedule, p, m):
     res = run_pipeline(pipeline_mlp, schedule, p=p, m=m, steps=3)
     for rank, out in enumerate(res.results):
         assert max(out["diffs"]) < 1e-12, (schedule, p, m, rank, out["diffs"])
+    last = res.results[-1]
+    assert len(last["loss_diffs"]) == 3 and max(last["loss_diffs"]) < 1e-12, last["loss_diffs"]
 
 
 @pytest.mark.multiprocess
@@ -126,3 +182,5 @@ def test_naive_and_memory_gpipe_vs_1f1b(runs_root):
 def test_torch_pipelining_equals_one_process(runs_root, schedule, p, m, v):
     res = run_pipeline(pipeline_mlp, schedule, p=p, m=m, v=v, steps=2)
     assert max(max(o["diffs"]) for o in res.results) < 1e-12
+    last = res.results[-1]
+    assert len(last["loss_diffs"]) == 2 and max(last["loss_diffs"]) < 1e-12, last["loss_diffs"]

@@ -127,6 +127,19 @@ def test_rank_from_file_name_and_gz(tmp_path):
     assert t.rank == 3 and t.rank_source == "file name"
 
 
+def test_rank_comes_from_distributed_info_when_the_file_name_disagrees(tmp_path):
+    """Files renamed or swapped by hand: the rank stored inside the trace wins over the name."""
+    slow = [e if e["name"] != "aten::mm" else {**e, "dur": e["dur"] + 5_000} for e in CPU_EVENTS]
+    write(tmp_path / "rank0.json", slow, rank=1)  # rank 1's trace under rank 0's name
+    write(tmp_path / "rank1.json", CPU_EVENTS, rank=0)
+    traces = load_traces(tmp_path)
+    assert sorted(traces) == [0, 1]
+    assert traces[1].path.name == "rank0.json" and traces[0].path.name == "rank1.json"
+    assert {t.rank_source for t in traces.values()} == {"distributedInfo"}
+    a = analyse(traces)
+    assert a.get(1, 3).compute > a.get(0, 3).compute  # the slow events belong to rank 1
+
+
 @pytest.mark.parametrize(
     "content, words",
     [

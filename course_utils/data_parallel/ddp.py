@@ -8,7 +8,9 @@ Later notebooks reuse it. Usage::
     model.finish_gradient_synchronization()            # wait; grads are now the global mean
     opt.step()
 
-What travels: once, at construction, a check (or a ``broadcast``) of parameters. Every step, each
+What travels: once, at construction, a check (or a ``broadcast``) of parameters and a ``broadcast``
+of buffers (BatchNorm's running statistics) from rank 0; unlike torch DDP's default
+``broadcast_buffers=True``, buffers are not re-sent before every forward. Every step, each
 bucket of gradients is summed with one ``all_reduce`` as soon as backward has produced all its
 gradients, then divided by the world size. The order is reverse registration order, which is
 roughly the order backward produces them. Ring all-reduce moves ``2(N-1)/N`` times the gradient
@@ -19,7 +21,12 @@ Parameters that need special care:
 - **tied** (one ``Parameter`` used in two places): registered once, one gradient, one slot;
 - **unused in forward** on a step: its gradient is absent. It counts as zero on the ranks that
   lack it, and stays ``None`` when every rank lacks it, exactly as single-process training
-  leaves it. A flag per parameter travels in the bucket for that.
+  leaves it. A flag per parameter travels in the bucket for that. Ranks may differ: a layer used
+  on some ranks only, or gradients ready in another order, still give the mean (what torch DDP
+  computes with ``find_unused_parameters=True``), because buckets start in bucket order only.
+
+Two backward passes between synchronizations outside ``no_sync()`` raise an error: the second
+would overwrite the first's gradients in the buckets (torch DDP refuses this too).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from torch import nn
 
 from .comm import (
     all_reduce_async,
+    broadcast_buffers,
     broadcast_parameters,
     check_same_parameters,
 )
@@ -64,6 +72,7 @@ class BucketedDDP(nn.Module):
         self.world_size = dist.get_world_size(group)
         if init == "verify":
             check_same_parameters(module, group)
+            broadcast_buffers(module, group=group)
         else:
             broadcast_parameters(module, group=group)
         # A small first bucket (as torch DDP's 1 MiB) gets the last layers' gradients travelling
@@ -72,6 +81,7 @@ class BucketedDDP(nn.Module):
             min(first_bucket_mb, bucket_cap_mb) * 2**20, bucket_cap_mb * 2**20
         )
         self._bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._names = {id(p): n for n, p in module.named_parameters()}
         self.require_sync = True
         self._next = 0  # index of the next bucket to launch
         self._hooks = [
@@ -101,6 +111,15 @@ class BucketedDDP(nn.Module):
         if not self.require_sync:
             return
         bucket, i = self._bucket_of[id(p)]
+        if i in bucket.ready:
+            raise RuntimeError(
+                f"BucketedDDP: parameter {self._names.get(id(p), '?')!r} received a second gradient "
+                "before finish_gradient_synchronization(): backward ran twice between two "
+                "synchronizations, and the second would overwrite the first in the buckets. To "
+                "accumulate gradients over several backward passes, run all but the last inside "
+                "`with model.no_sync():`; otherwise call finish_gradient_synchronization() (and "
+                "optimizer.step()) after every backward."
+            )
         bucket.ready.add(i)
         # Launch in bucket order only: gloo and NCCL pair collectives by call order, so every rank
         # must issue the same sequence even if its gradients become ready in another order.

@@ -6,6 +6,11 @@ redundantly, so no extra process is needed). After every optimizer step the larg
 difference is recorded. Mean-reduced losses and gradients averaged over equal shards make the
 two mathematically identical. Only the order of floating-point summation differs, so float64
 agrees to ~1e-12.
+
+Ranks that do not behave alike (``rank_dependent=True``: the model's forward reads
+``model.rank``) have a different reference: the mean over ranks of each rank's gradient on its
+own shard, a missing gradient counting as zero. That is what torch DDP computes with
+``find_unused_parameters=True``; the reference replays every rank's behaviour in one process.
 """
 
 from __future__ import annotations
@@ -34,11 +39,14 @@ def parity_worker(
     dtype: torch.dtype = torch.float64,
     seed: int = 0,
     accumulate: int = 1,
+    rank_dependent: bool = False,
+    optimizer: str = "sgd",
 ) -> list[float]:
     """Run under ``launch``: max |param difference| to single-process training after each step.
 
     ``accumulate > 1`` splits every step into micro-batches, syncing only on the last one
     (``no_sync``), against the reference's single backward on the whole global batch.
+    ``rank_dependent``: see the module docstring. ``optimizer``: ``"sgd"`` or ``"adam"``.
     """
     import torch.distributed as dist
 
@@ -46,8 +54,12 @@ def parity_worker(
     reference = make_model().to(ctx.device, dtype)
     torch.manual_seed(seed)
     model = wrap(make_model().to(ctx.device, dtype))
-    opt_ref = torch.optim.SGD(reference.parameters(), lr=lr)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    make_opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
+    opt_ref = make_opt(reference.parameters(), lr=lr)
+    opt = make_opt(model.parameters(), lr=lr)
+    inner = getattr(model, "module", model)
+    if rank_dependent:
+        inner.rank = dist.get_rank()
     data = torch.Generator().manual_seed(seed + 1)  # the same global batches on every rank
     finish = getattr(model, "finish_gradient_synchronization", lambda: None)
     n, r = dist.get_world_size(), dist.get_rank()
@@ -56,7 +68,13 @@ def parity_worker(
         x = torch.randn(global_batch, in_features, generator=data, dtype=dtype).to(ctx.device)
         y = torch.randint(classes, (global_batch,), generator=data).to(ctx.device)
         opt_ref.zero_grad()
-        nn.functional.cross_entropy(reference(x), y).backward()
+        if rank_dependent:  # every rank's behaviour on its own shard, gradients averaged
+            for q in range(n):
+                reference.rank = q
+                loss = nn.functional.cross_entropy(reference(x.chunk(n)[q]), y.chunk(n)[q])
+                (loss / n).backward()
+        else:
+            nn.functional.cross_entropy(reference(x), y).backward()
         opt_ref.step()
 
         xs, ys = x.chunk(n)[r], y.chunk(n)[r]  # this rank's shard: (global_batch / n, in_features)
@@ -73,5 +91,5 @@ def parity_worker(
                 (nn.functional.cross_entropy(model(xm), ym) / accumulate).backward()
         finish()
         opt.step()
-        diffs.append(max_param_diff(reference, getattr(model, "module", model)))
+        diffs.append(max_param_diff(reference, inner))
     return diffs

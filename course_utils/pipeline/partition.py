@@ -7,6 +7,8 @@ import time
 import torch
 from torch import nn
 
+from ..measure import synchronize
+
 
 def check_sequential(model: nn.Module, p: int) -> list[nn.Module]:
     """The model's layers, or a clear error when it cannot be cut into ``p`` stages."""
@@ -52,18 +54,32 @@ def param_costs(layers: list[nn.Module]) -> list[float]:
 
 
 def time_costs(layers: list[nn.Module], sample: torch.Tensor, repeats: int = 5) -> list[float]:
-    """Measured forward + backward seconds of each layer on ``sample`` (one micro-batch)."""
+    """Measured forward + backward seconds of each layer on ``sample`` (one micro-batch).
+
+    GPU kernels run asynchronously, so the clock is read only after a synchronize. The layers'
+    gradients are left as they were: the measurement's backward passes leave nothing behind.
+    """
+    params = [q for layer in layers for q in layer.parameters()]
+    saved = [q.grad for q in params]
+    for q in params:  # backward would accumulate into the existing tensors in place
+        q.grad = None
     costs, x = [], sample
-    for layer in layers:
-        inp = x.detach().requires_grad_()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            out = layer(inp)
-            out.backward(torch.ones_like(out))
-            times.append(time.perf_counter() - t0)
-        costs.append(sorted(times)[len(times) // 2])
-        x = out.detach()
+    try:
+        for layer in layers:
+            inp = x.detach().requires_grad_()
+            times = []
+            for _ in range(repeats):
+                synchronize(sample.device)
+                t0 = time.perf_counter()
+                out = layer(inp)
+                out.backward(torch.ones_like(out))
+                synchronize(sample.device)
+                times.append(time.perf_counter() - t0)
+            costs.append(sorted(times)[len(times) // 2])
+            x = out.detach()
+    finally:
+        for q, g in zip(params, saved):
+            q.grad = g
     return costs
 
 

@@ -7,7 +7,9 @@
 ``torch_gpipe`` / ``torch_1f1b`` / ``torch_interleaved`` (``torch.distributed.pipelining`` with
 manual ``PipelineStage``s; interleaved puts ``v`` chunks on each rank). Each rank also trains a
 single-process copy of the whole model on the whole batch and reports the largest difference
-between its stage's parameters and the copy's after every step.
+between its stage's parameters and the copy's after every step (``diffs``); the last stage also
+reports how far each step's loss, the mean of its micro-batch losses, is from the copy's
+(``loss_diffs``).
 """
 
 from __future__ import annotations
@@ -47,8 +49,22 @@ def check_pipeline(
         raise ValueError(f"need p >= 1 stages and m >= 1 micro-batches, got p={p}, m={m}")
     if schedule == "naive" and m != 1:
         raise ValueError(f"the naive schedule runs the whole batch at once: m must be 1, got m={m}")
-    chunks = p * (v if schedule == "torch_interleaved" else 1)
-    check_sequential(make_model(), chunks)
+    if v < 1 or (v > 1 and schedule != "torch_interleaved"):
+        raise ValueError(
+            f"v={v} chunks per rank needs schedule='torch_interleaved' (the others hold one "
+            "stage per rank): pass v=1, or choose the interleaved schedule"
+        )
+    chunks = p * v
+    layers = len(check_sequential(make_model(), 1))
+    if chunks > layers and v == 1:
+        raise ValueError(
+            f"{p} stages but the model has only {layers} layers: use at most {layers} stages"
+        )
+    if chunks > layers:
+        raise ValueError(
+            f"p={p} ranks x v={v} chunks = {chunks} virtual stages, but the model has only "
+            f"{layers} layers: every stage needs at least one layer. Use p*v <= {layers}."
+        )
     if global_batch % m:
         raise ValueError(
             f"a batch of {global_batch} does not split into m={m} equal micro-batches: "
@@ -138,7 +154,7 @@ def pipeline_worker(
             PipelineStage(mod, c, p * chunks_per_rank, ctx.device)
             for mod, c in zip(modules, my_chunks)
         ]
-    diffs, times, losses = [], [], []
+    diffs, loss_diffs, times, losses = [], [], [], []
     for _ in range(steps):
         x = torch.randn(global_batch, d_in, generator=data, dtype=dtype).to(ctx.device)
         y = torch.randint(classes, (global_batch,), generator=data).to(ctx.device)
@@ -153,8 +169,13 @@ def pipeline_worker(
         ctx.step()  # drives the profiler under launch(..., profile=...)
         if reference is not None:
             opt_ref.zero_grad()
-            loss_fn(reference(x), y).backward()
+            ref_loss = loss_fn(reference(x), y)
+            ref_loss.backward()
             opt_ref.step()
+            if (
+                rank == p - 1
+            ):  # the last stage saw every micro-batch's loss: their mean is the step's
+                loss_diffs.append(abs(sum(losses) / len(losses) - ref_loss.item()))
             ref_layers = list(reference)
             mine = [
                 q
@@ -163,7 +184,13 @@ def pipeline_worker(
                 for q in layer.parameters()
             ]
             diffs.append(max((a - b).abs().max().item() for a, b in zip(params, mine)))
-    out = {"diffs": diffs, "step_s": times, "losses": losses, "bounds": bounds}
+    out = {
+        "diffs": diffs,
+        "loss_diffs": loss_diffs,
+        "step_s": times,
+        "losses": losses,
+        "bounds": bounds,
+    }
     if schedule in RUNTIME_SCHEDULES:
         out.update(peak_held_bytes=runner.peak_held_bytes, micro_bytes=max(runner.micro_bytes))
     return out
