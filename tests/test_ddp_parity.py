@@ -162,7 +162,7 @@ def test_rank_dependent_model_really_differs_between_ranks():
         m.zero_grad(set_to_none=True)
         seen = []
         hooks = [
-            p.register_post_accumulate_grad_hook(lambda p, n=n: seen.append(n))
+            p.register_post_accumulate_grad_hook(lambda p, n=n, seen=seen: seen.append(n))
             for n, p in m.named_parameters()
         ]
         m(x).sum().backward()
