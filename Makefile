@@ -4,8 +4,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 KERNEL := distributed-course
-# Notebooks run against this tree's venv whatever the caller's PATH says.
+KSPEC  := $(VENV)/share/jupyter/kernels/$(KERNEL)/kernel.json
+# Notebooks run against this tree's venv whatever the caller's PATH says, and their kernel
+# ('distributed-course', named in every notebook) is this tree's: JUPYTER_PATH is searched first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export JUPYTER_PATH := $(CURDIR)/$(VENV)/share/jupyter$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
 
 .PHONY: help setup lab course test test-fast lint format doctor clean
 
@@ -17,7 +20,7 @@ help:
 	@echo "make lint    ruff check + format check"
 	@echo "make doctor  what this node has: GPUs, interconnect, working backends, chosen size"
 
-setup: $(STAMP)
+setup: $(STAMP) $(KSPEC)
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python >= 3.10 is needed, found " + sys.version.split()[0]'
@@ -25,8 +28,13 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . || \
 	  $(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
-	$(PY) -m ipykernel install --user --name $(KERNEL) --display-name "Distributed training course" >/dev/null
 	touch $(STAMP)
+
+# The kernel every notebook names. Inside the venv for make lab / test / course; with --user too,
+# so that a JupyterHub's own Jupyter server offers it to this user.
+$(KSPEC): $(STAMP)
+	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Distributed training course" >/dev/null
+	$(PY) -m ipykernel install --user --name $(KERNEL) --display-name "Distributed training course" >/dev/null
 
 lab: setup
 	$(PY) -m jupyter lab notebooks/
@@ -35,7 +43,7 @@ course: setup
 	$(PY) -m course_utils course --out build
 
 test: setup
-	COURSE_SIZE=$${COURSE_SIZE:-ci} $(PY) -m pytest tests notebooks --nbval-lax --nbval-cell-timeout=600
+	COURSE_SIZE=$${COURSE_SIZE:-ci} COURSE_CHECK_DEVICES=1 $(PY) -m pytest tests notebooks --nbval-lax --nbval-cell-timeout=600
 
 test-fast: setup
 	COURSE_SIZE=ci $(PY) -m pytest tests -m "not slow and not notebook"

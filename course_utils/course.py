@@ -35,7 +35,7 @@ def execute(nb_path: Path, out_dir: Path, timeout: int = 1800) -> tuple[str, flo
     client = NotebookClient(
         nb,
         timeout=timeout,
-        kernel_name="python3",
+        kernel_name=nb.metadata.get("kernelspec", {}).get("name", "python3"),
         resources={"metadata": {"path": str(nb_path.parent)}},
     )
     t0 = time.perf_counter()

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+# Every rank the tests (and the notebooks nbval runs from this session) start checks that the
+# tensors it makes live on its device: on this CPU machine, the bugs a GPU node would reveal.
+os.environ.setdefault("COURSE_CHECK_DEVICES", "1")
+# The notebooks name the 'distributed-course' kernel: find this environment's registration first
+# (make does the same), so that nbval runs them with this checkout's Python.
+_kernels = os.path.join(sys.prefix, "share", "jupyter")
+if _kernels not in os.environ.get("JUPYTER_PATH", "").split(os.pathsep):
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(
+        filter(None, [_kernels, os.environ.get("JUPYTER_PATH")])
+    )
 
 
 @pytest.fixture

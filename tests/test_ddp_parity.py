@@ -68,10 +68,10 @@ def test_no_sync_gradient_accumulation(runs_root):
 def test_frozen_and_unused_parameters_are_not_communicated(runs_root):
     def count(ctx):
         torch.manual_seed(0)
-        ddp = BucketedDDP(UnusedParamMLP(), bucket_cap_mb=0.002)
+        ddp = BucketedDDP(UnusedParamMLP().to(ctx.device), bucket_cap_mb=0.002)
         torch.manual_seed(0)
-        frozen = BucketedDDP(FrozenMLP(), bucket_cap_mb=0.002)
-        x = torch.randn(4, 16)
+        frozen = BucketedDDP(FrozenMLP().to(ctx.device), bucket_cap_mb=0.002)
+        x = torch.randn(4, 16, device=ctx.device)
         ddp(x).sum().backward()
         ddp.finish_gradient_synchronization()
         return {
@@ -101,7 +101,7 @@ def test_torch_ddp_passes_the_same_check(runs_root):
 def test_rank_with_different_parameters_is_detected(runs_root):
     def bad_init(ctx):
         torch.manual_seed(ctx.rank)  # the classic bug: a seed per rank before building the model
-        BucketedDDP(ToyMLP())
+        BucketedDDP(ToyMLP().to(ctx.device))
 
     with pytest.raises(RankFailedError) as info:
         launch(bad_init, 2, echo=False)
@@ -112,7 +112,7 @@ def test_rank_with_different_parameters_is_detected(runs_root):
 
     def broadcast_fixes_it(ctx):
         torch.manual_seed(ctx.rank)
-        ddp = BucketedDDP(ToyMLP(), init="broadcast")
+        ddp = BucketedDDP(ToyMLP().to(ctx.device), init="broadcast")
         return ddp.module.fc1.weight.sum().item()
 
     res = launch(broadcast_fixes_it, 2, echo=False)
@@ -182,7 +182,7 @@ def bucket_order_and_overlap(ctx):
     from course_utils.data_parallel import ddp as ddp_module
 
     torch.manual_seed(0)
-    net = ToyMLP()
+    net = ToyMLP().to(ctx.device)
     model = BucketedDDP(net, bucket_cap_mb=0.0001)  # ~100 bytes: about a layer per bucket
     total = sum(1 for _ in net.parameters())
     grads_at_launch = []
@@ -195,7 +195,7 @@ def bucket_order_and_overlap(ctx):
     ddp_module.all_reduce_async = recording
     try:
         net.zero_grad(set_to_none=True)
-        model(torch.randn(8, 16)).sum().backward()
+        model(torch.randn(8, 16, device=ctx.device)).sum().backward()
         model.finish_gradient_synchronization()
     finally:
         ddp_module.all_reduce_async = original
@@ -223,7 +223,9 @@ def batchnorm_buffers(ctx, init, steps=3):
 
     def build(fill):
         torch.manual_seed(0)
-        m = BatchNormMLP().double().eval()  # eval: BN normalises with its running statistics
+        m = (
+            BatchNormMLP().to(ctx.device, torch.float64).eval()
+        )  # eval: BN normalises with its running statistics
         with torch.no_grad():
             m.bn.running_mean.fill_(fill)
             m.bn.running_var.fill_(1.0 + fill)
@@ -236,8 +238,8 @@ def batchnorm_buffers(ctx, init, steps=3):
     g = torch.Generator().manual_seed(1)
     n, r = dist.get_world_size(), dist.get_rank()
     for _ in range(steps):
-        x = torch.randn(16, 16, generator=g, dtype=torch.float64)
-        y = torch.randint(4, (16,), generator=g)
+        x = torch.randn(16, 16, generator=g, dtype=torch.float64).to(ctx.device)
+        y = torch.randint(4, (16,), generator=g).to(ctx.device)
         opt_ref.zero_grad()
         nn.functional.cross_entropy(reference(x), y).backward()
         opt_ref.step()
@@ -264,8 +266,8 @@ def test_buffers_come_from_rank_0(runs_root, init):
 
 def two_backwards(ctx, use_no_sync):
     torch.manual_seed(0)
-    model = BucketedDDP(ToyMLP().double(), bucket_cap_mb=0.002)
-    x = torch.randn(4, 16, dtype=torch.float64)
+    model = BucketedDDP(ToyMLP().to(ctx.device, torch.float64), bucket_cap_mb=0.002)
+    x = torch.randn(4, 16, dtype=torch.float64, device=ctx.device)
     try:
         if use_no_sync:
             with model.no_sync():
@@ -288,7 +290,7 @@ def test_second_backward_outside_no_sync_raises(runs_root):
 
 def permuted_weights(ctx):
     torch.manual_seed(0)
-    net = ToyMLP()
+    net = ToyMLP().to(ctx.device)
     if ctx.rank == 1:  # same multiset of values: sums and absolute sums agree, the model does not
         with torch.no_grad():
             net.fc1.weight.copy_(net.fc1.weight.flip(0))

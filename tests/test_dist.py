@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     from course_utils import dist as cdist
     out = sys.argv[1]
     with cdist.session() as ctx:
-        t = torch.tensor([ctx.rank + 1.0])
+        t = torch.tensor([ctx.rank + 1.0], device=ctx.device)
         dist.all_reduce(t)
         info = dict(rank=ctx.rank, world=ctx.world_size, local=ctx.local_rank, backend=ctx.backend,
                     device=str(ctx.device), sum=t.item(), source=ctx.extras["source"],

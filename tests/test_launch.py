@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def describe(ctx, scale=1.0):
-    t = torch.tensor([float(ctx.rank)])
+    t = torch.tensor([float(ctx.rank)], device=ctx.device)
     dist.all_reduce(t)
     print(f"hello from {ctx.rank}")
     return {
@@ -107,7 +107,7 @@ def test_notebook_style_function_and_module_by_value(runs_root):
 
         def worker(ctx, steps=1):
             torch.manual_seed(0)
-            net = TinyNet()
+            net = TinyNet().to(ctx.device)
             for p in net.parameters():
                 dist.all_reduce(p.data)
             return SCALE * float(net.fc.weight.detach().sum()) / ctx.world_size, type(net).__name__
@@ -133,7 +133,7 @@ def test_script_path_runs_with_dist_init(runs_root, tmp_path):
         import sys, torch, torch.distributed as dist
         from course_utils import dist as cdist
         with cdist.session() as ctx:
-            t = torch.ones(1) * (ctx.rank + 1)
+            t = torch.ones(1, device=ctx.device) * (ctx.rank + 1)
             dist.all_reduce(t)
             cdist.print0("total", t.item(), "argv", sys.argv[1:], "source", ctx.extras["source"])
     """)
@@ -155,7 +155,7 @@ def test_manual_process_group(runs_root):
             )
         else:
             dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        t = torch.ones(1)
+        t = torch.ones(1, device=ctx.device)
         dist.all_reduce(t)
         dist.destroy_process_group()
         return t.item()

@@ -55,6 +55,10 @@ def with_children(ctx, how):
     tree = start_children(ctx)
     if how == "ok":
         return len(tree)
+    deadline = time.monotonic() + 60
+    while len(list(ctx.run_dir.glob("rank*.tree.json"))) < ctx.world_size:
+        assert time.monotonic() < deadline, "the other rank never started its children"
+        time.sleep(0.05)  # every rank has its tree before any rank fails
     if how == "raise" and ctx.rank == 1:
         raise ValueError("boom")
     if how == "sigkill" and ctx.rank == 1:

@@ -73,7 +73,7 @@ def test_rank_killed_by_signal(runs_root):
 
 
 def mismatched_collective(ctx):
-    t = torch.ones(4)
+    t = torch.ones(4, device=ctx.device)
     if ctx.rank == 0:
         dist.all_reduce(t)  # rank 1 never joins this all_reduce
     else:

@@ -19,7 +19,7 @@ CELLS = [
 
 def worker(ctx, steps=2):
     model = Doubler().to(ctx.device)
-    x = torch.ones(3) * (ctx.rank + 1)
+    x = torch.ones(3, device=ctx.device) * (ctx.rank + 1)
     for _ in range(steps):
         y = model(x)
         dist.all_reduce(y)
@@ -40,3 +40,25 @@ def test_cell_defined_worker_and_module_run_as_ranks(runs_root, tmp_path):
         o.get("text", "") for o in nb.cells[2].outputs if o.output_type == "stream"
     )
     assert "[rank 0] rank 0 sum 18.0" in launch_out and "[rank 1] rank 1 sum 18.0" in launch_out
+
+
+def test_every_notebook_names_the_course_kernel_and_it_is_this_environment():
+    """A student who opens a notebook lands in the course's environment without choosing a kernel.
+
+    On a JupyterHub the default 'python3' kernel is the hub's own environment, without torch.
+    """
+    import os
+    import sys
+    from pathlib import Path
+
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    names = {}
+    for path in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb")):
+        names[path.name] = nbformat.read(path, as_version=4).metadata["kernelspec"]["name"]
+    assert set(names.values()) == {"distributed-course"}, names
+    spec = KernelSpecManager().get_kernel_spec("distributed-course")
+    assert os.path.realpath(spec.argv[0]) == os.path.realpath(sys.executable), (
+        f"the course kernel runs {spec.argv[0]}, not this environment's {sys.executable}: "
+        "run `make setup`"
+    )

@@ -17,13 +17,14 @@ pytestmark = pytest.mark.multiprocess
 
 def ddp_worker(ctx, steps=5, slow_rank=None):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
+    net = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10)).to(ctx.device)
     model = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.05)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    a = torch.randn(256, 256)
+    a = torch.randn(256, 256, device=ctx.device)
     for _ in range(steps):
         with torch.profiler.record_function("data"):
-            x, y = torch.randn(64, 128), torch.randint(10, (64,))
+            x = torch.randn(64, 128, device=ctx.device)
+            y = torch.randint(10, (64,), device=ctx.device)
         if ctx.rank == slow_rank:
             for _ in range(40):  # extra compute on one rank: a straggler made on purpose
                 a = torch.tanh(a @ a)

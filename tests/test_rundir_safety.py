@@ -139,7 +139,7 @@ def test_environment_secret_reaches_ranks_but_no_file(runs_root, monkeypatch):
 def sockets_after_init(ctx, method):
     if method == "env":
         dist.init_process_group("gloo")  # env://: MASTER_ADDR / MASTER_PORT from launch
-    t = torch.ones(1)
+    t = torch.ones(1, device=ctx.device)
     dist.all_reduce(t)
     found = listening_sockets(os.getpid())
     dist.barrier()  # nobody leaves before everyone has looked

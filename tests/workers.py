@@ -15,6 +15,6 @@ def dtensor_sum(ctx, seed: int = 0) -> float:
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     torch.manual_seed(seed)
-    full = torch.randn(8, 4)
+    full = torch.randn(8, 4).to(ctx.device)
     d = distribute_tensor(full, mesh, [Shard(0)])
     return float((d * 2).full_tensor().sum())

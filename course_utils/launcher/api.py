@@ -20,6 +20,7 @@ import cloudpickle
 import torch
 
 from ..profiling.capture import ProfileConfig
+from . import devicecheck as _devicecheck
 from . import procs as _procs
 from .context import cpu_threads_per_rank
 from .rank import PAYLOAD, log_path, rank_main
@@ -148,6 +149,7 @@ def launch(
     worker_kwargs: dict | None = None,
     extras: dict | None = None,
     profile: bool | ProfileConfig | None = None,
+    check_devices: bool | None = None,
     **kwargs,
 ) -> LaunchResult:
     """Run ``worker(ctx, **kwargs)`` on ``world_size`` ranks, each a real process.
@@ -158,6 +160,10 @@ def launch(
     returns a :class:`LaunchResult`; if a rank raises, is killed or the job runs
     past ``timeout`` seconds, every rank is stopped and a
     :class:`~course_utils.launcher.errors.LaunchError` says which rank and why.
+
+    ``check_devices=True`` (default: ``$COURSE_CHECK_DEVICES``) makes CPU ranks fail where a GPU
+    node would: on a tensor made without ``device=ctx.device`` meeting the rank's device, or a module
+    never moved (:mod:`course_utils.launcher.devicecheck`).
 
     ``profile=True`` (or a :class:`~course_utils.profiling.ProfileConfig`) records a
     ``torch.profiler`` trace per rank, stepped by ``ctx.step()`` in the worker;
@@ -212,6 +218,7 @@ def launch(
         "pg_timeout": timeout + 60.0,
         "extras": extras or {},
         "profile": profile,
+        "check_devices": device_type == "cpu" and _devicecheck.wanted(check_devices),
     }
     (run_dir / PAYLOAD).write_bytes(cloudpickle.dumps(payload))
     meta = {

@@ -247,14 +247,20 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
             torch.cuda.set_device(device)
         if payload["init_process_group"]:
             _init_process_group(ctx, payload["pg_timeout"])
-        if payload.get("profile") is not None:
-            from ..profiling.capture import RankProfiler
+        checking = contextlib.nullcontext()
+        if payload.get("check_devices"):
+            from .devicecheck import check_devices
 
-            with RankProfiler(payload["profile"], rank, run_dir, device) as profiler:
-                ctx.on_step = profiler.step
+            checking = check_devices(rank, device)
+        with checking:
+            if payload.get("profile") is not None:
+                from ..profiling.capture import RankProfiler
+
+                with RankProfiler(payload["profile"], rank, run_dir, device) as profiler:
+                    ctx.on_step = profiler.step
+                    value = _call(payload["spec"], ctx, payload["kwargs"])
+            else:
                 value = _call(payload["spec"], ctx, payload["kwargs"])
-        else:
-            value = _call(payload["spec"], ctx, payload["kwargs"])
         record = {"ok": True, "value": value, "time": time.time()}
         ok = True
     except BaseException as e:  # report everything, SystemExit included

@@ -14,7 +14,9 @@ the loss, divided by ``m`` so that the gradients add up to the full batch's mean
 ``B{i}``: receive the output's gradient from ``s+1`` (the last stage starts from its loss),
 backpropagate through the stage, send the input's gradient to ``s-1``. Gradients accumulate over
 the micro-batches; the optimizer steps after the flush. Every action is labelled
-``pipeline:F{i}`` / ``pipeline:B{i}`` in profiler traces.
+``pipeline:F{i}`` / ``pipeline:B{i}`` in profiler traces. A send leaves with the stage's next
+receive, in one ``batch_isend_irecv`` (:class:`.p2p.Mailbox`): two neighbours sending to each other
+at once cannot deadlock on NCCL.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class StageRunner:
         self.in_shape, self.out_shape = in_shape, out_shape
         self.dtype, self.device, self.loss_fn = dtype, device, loss_fn
         self.first, self.last = stage == 0, stage == p - 1
-        self.pending: list = []
+        self.mailbox = p2p.Mailbox()
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.held: dict[int, int] = {}
@@ -50,9 +52,10 @@ class StageRunner:
     def forward(self, i: int, x: torch.Tensor | None, y: torch.Tensor | None, m: int) -> None:
         with record_function(f"pipeline:F{i}"):
             if self.first:
+                self.mailbox.flush()  # nothing to receive: let waiting sends go now
                 inp = x
             else:
-                inp = p2p.recv(
+                inp = self.mailbox.recv(
                     self.in_shape, self.dtype, self.device, self.stage - 1
                 ).requires_grad_()
             with saved_activations() as mem:
@@ -62,7 +65,7 @@ class StageRunner:
                         self.loss_fn(out, y) / m
                     )  # scalar: this micro-batch's share of the mean loss
             if not self.last:
-                p2p.send(out, self.stage + 1, self.pending)
+                self.mailbox.send(out, self.stage + 1)
             self.inputs[i], self.outputs[i] = inp, out
             self.held[i] = mem["bytes"]
             self.micro_bytes.append(mem["bytes"])
@@ -73,17 +76,18 @@ class StageRunner:
         with record_function(f"pipeline:B{i}"):
             out = self.outputs.pop(i)
             if self.last:
+                self.mailbox.flush()
                 out.backward()
             else:
-                grad = p2p.recv(self.out_shape, self.dtype, self.device, self.stage + 1)
+                grad = self.mailbox.recv(self.out_shape, self.dtype, self.device, self.stage + 1)
                 out.backward(grad)
             inp = self.inputs.pop(i)
             if not self.first:
-                p2p.send(inp.grad, self.stage - 1, self.pending)
+                self.mailbox.send(inp.grad, self.stage - 1)
             self.held_bytes -= self.held.pop(i)
 
     def finish(self) -> None:
-        p2p.wait_all(self.pending)
+        self.mailbox.wait_all()
 
 
 def train_step(runner: StageRunner, schedule: str, micro_x: list, micro_y: list) -> list[float]:
