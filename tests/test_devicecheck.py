@@ -48,14 +48,48 @@ def test_module_moved_works_and_dtype_alone_is_not_a_move():
         nn.Linear(3, 2).double()(torch.ones(4, 3, device=DEV, dtype=torch.float64))
 
 
-def test_cpu_copies_and_numpy():
+def test_cpu_copies_meeting_the_device_again():
     with check_devices(0, DEV):
         y = torch.ones(3, device=DEV)
         assert y.cpu().numpy().tolist() == [1.0, 1.0, 1.0]  # the right way back to numpy
-        with pytest.raises(OffDeviceError, match=r"call \.cpu\(\) first"):
-            y.numpy()
+        y + y  # .cpu() above left y where it was
         with pytest.raises(OffDeviceError):
             y + y.detach().cpu()  # a CPU copy meeting the device again
+        with pytest.raises(OffDeviceError):
+            y + torch.zeros(3, device="cpu")  # a literal "cpu" is the CPU on a GPU node too
+
+
+def test_move_without_assignment_is_caught():
+    """``x.to(device)`` returns a new tensor on a GPU node; x itself stays on the CPU."""
+    with check_devices(0, DEV):
+        x = torch.randn(3)
+        x.to(DEV)  # forgot `x = `
+        with pytest.raises(OffDeviceError, match=r"x = x.to\(ctx.device\)"):
+            x + torch.ones(3, device=DEV)
+        x = x.to(DEV)
+        x + torch.ones(3, device=DEV)
+
+
+def test_correct_idioms_pass():
+    with check_devices(0, DEV):
+        y = torch.ones(4, 3, device=DEV)
+        p = nn.Linear(3, 3).to(DEV).weight
+        torch.zeros_like(p, device=DEV) + p  # *_like with the rank's device
+        p.new_zeros(3, device=DEV) + y[0]
+        labels = torch.as_tensor(y[:, 0], dtype=torch.long)  # as_tensor of a device tensor
+        labels + torch.ones(4, dtype=torch.long, device=DEV)
+        torch.randn(4, 3).type_as(y) + y  # type_as moves to y's device
+        empty = nn.Linear(3, 3, device="meta").to_empty(device=DEV)
+        empty(y)
+
+
+def test_tags_stay_out_of_pickles():
+    import pickle
+
+    with check_devices(0, DEV):
+        x = torch.randn(3)  # tagged: made without a device
+        blob = pickle.dumps(x)
+    assert "_course" not in str(blob) and torch.equal(pickle.loads(blob), x)
 
 
 def test_everything_is_restored_afterwards():
@@ -111,6 +145,22 @@ def ddp_of_unmoved_module(ctx):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     DDP(nn.Linear(4, 4))
+
+
+def stage_given_by_keyword(ctx):
+    from torch.distributed.pipelining import PipelineStage
+
+    stage = PipelineStage(
+        submodule=nn.Linear(4, 4).to(ctx.device), stage_index=0, num_stages=1, device=ctx.device
+    )
+    return type(stage).__name__
+
+
+@pytest.mark.multiprocess
+def test_pipeline_stage_by_keyword_passes_the_guard(runs_root):
+    assert launch(stage_given_by_keyword, 1, check_devices=True, echo=False).results == [
+        "PipelineStage"
+    ]
 
 
 @pytest.mark.multiprocess

@@ -48,13 +48,21 @@ def start_children(ctx) -> list[int]:
     tree = descendants(os.getpid())
     (ctx.run_dir / f"rank{ctx.rank}.tree.json").write_text(json.dumps(tree))
     ctx.extras["keep"] = (it, child)  # alive until the rank ends
-    return tree
+    workers = [w.pid for w in it._workers]  # the DataLoader's own list of worker processes
+    return {
+        "tree": tree,
+        "workers_ppid": [
+            int(open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[1]) for w in workers
+        ],
+        "pgids": [os.getpgid(p) for p in tree],
+        "rank": os.getpid(),
+    }
 
 
 def with_children(ctx, how):
-    tree = start_children(ctx)
+    info = start_children(ctx)
     if how == "ok":
-        return len(tree)
+        return info
     deadline = time.monotonic() + 60
     while len(list(ctx.run_dir.glob("rank*.tree.json"))) < ctx.world_size:
         assert time.monotonic() < deadline, "the other rank never started its children"
@@ -85,8 +93,12 @@ def recorded_tree(runs_root) -> list[int]:
 
 
 def test_tree_has_dataloader_workers_as_the_ranks_own_children(runs_root):
+    """Workers are forked by the rank itself (not by a forkserver) and everything is in its group."""
     res = launch(with_children, 2, how="ok", echo=False)
-    assert all(n >= 4 for n in res.results), res.results
+    for info in res.results:
+        assert len(info["tree"]) >= 4, info
+        assert info["workers_ppid"] == [info["rank"]] * 2, info
+        assert set(info["pgids"]) == {info["rank"]}, info
 
 
 def test_normal_end_leaves_nothing(runs_root):

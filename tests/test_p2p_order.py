@@ -141,4 +141,5 @@ def test_pipeline_p2p_cannot_deadlock_on_nccl(runs_root, schedule, p, m):
     res = launch(recorded_pipeline, p, schedule=schedule, m=m, echo=False, timeout=120)
     batches = dict(enumerate(res.results))
     assert all(batches.values()), "every stage talks to a neighbour"
+    assert all(b for bs in batches.values() for b in bs), "the recorder saw inside every batch"
     assert replay(batches) == [], batches

@@ -138,6 +138,10 @@ def test_time_costs_synchronizes_and_leaves_gradients_alone(monkeypatch):
     fresh = pipeline_mlp(depth=3)
     time_costs(list(fresh), torch.randn(8, 16), repeats=2)
     assert all(p.grad is None for p in fresh.parameters())
+    with_bn = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    stats = with_bn[1].running_mean.clone()
+    time_costs(list(with_bn), torch.randn(8, 16) + 3.0, repeats=2)
+    assert torch.equal(with_bn[1].running_mean, stats)  # the timing passes left no trace
 
 
 def test_model_must_be_sequential(runs_root):

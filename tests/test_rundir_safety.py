@@ -109,16 +109,16 @@ def test_runs_root_owned_by_someone_else_is_refused(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not is_root, reason="needs root to give a folder to another user")
-def test_parent_owned_by_someone_else_is_fine(tmp_path, monkeypatch):
-    """COURSE_RUNS_DIR=<their sticky dir>/runs: launch makes runs/ its own and checks nothing above."""
+def test_parent_owned_by_someone_else_is_refused(tmp_path, monkeypatch):
+    """COURSE_RUNS_DIR=<their sticky dir>/runs: they could rename runs/ and plant their own."""
     shared = tmp_path / "scratch"
     shared.mkdir()
     os.chown(shared, NOBODY, NOBODY)
     shared.chmod(0o1777)
     monkeypatch.setenv("COURSE_RUNS_DIR", str(shared / "runs"))
-    run = new_run_dir("x")
-    assert mode(shared) == 0o1777 and os.stat(shared).st_uid == NOBODY
-    assert os.stat(shared / "runs").st_uid == os.getuid() and mode(run) == 0o700
+    with pytest.raises(RunDirError, match="belongs to another user"):
+        new_run_dir("x")
+    assert mode(shared) == 0o1777 and list(shared.iterdir()) == []
 
 
 def sees_secret(ctx, name):

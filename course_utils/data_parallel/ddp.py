@@ -25,8 +25,11 @@ Parameters that need special care:
   on some ranks only, or gradients ready in another order, still give the mean (what torch DDP
   computes with ``find_unused_parameters=True``), because buckets start in bucket order only.
 
-Two backward passes between synchronizations outside ``no_sync()`` raise an error: the second
-would overwrite the first's gradients in the buckets (torch DDP refuses this too).
+Two backward passes between synchronizations outside ``no_sync()`` raise an error. Here the first
+pass's averaged gradients, written back by ``finish_gradient_synchronization``, would replace what
+the second pass accumulated: its gradients would be lost without a word. torch DDP accepts the
+pattern (it all-reduces after each backward and the averages add up); this reference keeps the
+simpler contract, one synchronized backward per ``finish_gradient_synchronization``, and says so.
 """
 
 from __future__ import annotations
@@ -115,10 +118,11 @@ class BucketedDDP(nn.Module):
             raise RuntimeError(
                 f"BucketedDDP: parameter {self._names.get(id(p), '?')!r} received a second gradient "
                 "before finish_gradient_synchronization(): backward ran twice between two "
-                "synchronizations, and the second would overwrite the first in the buckets. To "
-                "accumulate gradients over several backward passes, run all but the last inside "
-                "`with model.no_sync():`; otherwise call finish_gradient_synchronization() (and "
-                "optimizer.step()) after every backward."
+                "synchronizations. The first pass's averaged gradients would then replace what the "
+                "second accumulated, and the second pass would be lost. To accumulate gradients over "
+                "several backward passes, run all but the last inside `with model.no_sync():`; "
+                "otherwise call finish_gradient_synchronization() (and optimizer.step()) after every "
+                "backward."
             )
         bucket.ready.add(i)
         # Launch in bucket order only: gloo and NCCL pair collectives by call order, so every rank

@@ -8,6 +8,7 @@ Example, runnable as it stands::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -172,12 +173,11 @@ def launch(
     ``127.0.0.1``). Keywords that clash with launch's own names go in ``worker_kwargs``.
 
     Stopping is total. Each rank leads its own process group; however the run ends (success, a
-    failed rank, a timeout, Ctrl-C), every group gets SIGTERM then SIGKILL, so a rank's DataLoader
-    workers and subprocesses, at any depth, end with it. If this process dies, a pipe that only it
-    holds closes and every rank kills its own group. Inside a rank, child processes start with
-    ``fork``: the rank would otherwise inherit this launcher's forkserver as its default, and its
-    DataLoader workers would be that server's children, outside the rank's group and watching the
-    server instead of the rank (:mod:`course_utils.launcher.rank`, step 5).
+    failed rank, a timeout, Ctrl-C), every group is stopped (SIGTERM, then SIGKILL), so a rank's
+    DataLoader workers and subprocesses, at any depth, end with it. If this process dies, a pipe
+    that only it holds closes and every rank kills its own group. Inside a rank, child processes
+    start with ``fork``, so DataLoader workers are the rank's own children and a Dataset defined in
+    a notebook cell reaches them (:mod:`course_utils.launcher.rank`, step 5, says why).
     """
     kwargs = {**kwargs, **(worker_kwargs or {})}
     if not timeout or timeout <= 0:
@@ -200,10 +200,6 @@ def launch(
         )
     mp_ctx = _procs.get_context(start_method)
     run_dir = new_run_dir(name, runs_root)
-    # The environment travels to the ranks as a process argument (memory), never in payload.pkl.
-    env = dict(os.environ)
-    listener = _procs.loopback_listener()  # rank 0 serves env:// rendezvous from it
-    alive_r, alive_w = mp_ctx.Pipe(duplex=False)  # closes when this process dies: ranks watch it
     payload = {
         "spec": spec,
         "kwargs": cloudpickle.loads(kwargs_blob),
@@ -212,7 +208,6 @@ def launch(
         "backend": backend,
         "device_type": device_type,
         "threads": cpu_threads_per_rank(world_size),
-        "master_port": listener.getsockname()[1],
         "gloo_ifname": _procs.loopback_ifname(),
         "init_process_group": init_process_group,
         "pg_timeout": timeout + 60.0,
@@ -220,7 +215,6 @@ def launch(
         "profile": profile,
         "check_devices": device_type == "cpu" and _devicecheck.wanted(check_devices),
     }
-    (run_dir / PAYLOAD).write_bytes(cloudpickle.dumps(payload))
     meta = {
         "worker": name,
         "world_size": world_size,
@@ -230,52 +224,58 @@ def launch(
         "started": time.time(),
         "status": "running",
     }
-    write_json(run_dir / "launch.json", meta)
-
-    t0 = time.perf_counter()
-    tails = []
-    for r in range(world_size):
-        prefix = f"[rank {r}] " if world_size > 1 else "[rank 0] "
-        tails.append(Tail(log_path(run_dir, r, "out"), prefix, sys.stdout if echo else None))
-        tails.append(
-            Tail(log_path(run_dir, r, "err"), prefix, sys.stderr if echo else None, not_noise)
-        )
-    procs = {}
+    # The environment travels to the ranks as a process argument (memory), never in payload.pkl.
+    env = dict(os.environ)
+    procs: dict = {}
     status = "failed"
-    try:
-        with _procs.no_main_reimport():
-            for r in range(world_size):
-                p = mp_ctx.Process(
-                    target=rank_main,
-                    args=(str(run_dir), r, env, alive_r, listener if r == 0 else None),
-                    name=f"rank{r}",
-                    daemon=False,
-                )
-                procs[r] = p
-                p.start()
-        alive_r.close()  # the ranks hold their copies; the launcher keeps only the write end
-        listener.close()
-        results = supervise(procs, run_dir, timeout, tails)
-        status = "ok"
-    except KeyboardInterrupt:
-        status = "interrupted"
-        interrupted_notice(world_size, run_dir)
-        raise
-    except BaseException as e:
-        status = type(e).__name__
-        raise
-    finally:
-        stop(procs)
-        alive_w.close()
-        alive_r.close()
-        listener.close()
-        meta.update(
-            status=status,
-            wall_time=time.perf_counter() - t0,
-            pids={r: p.pid for r, p in procs.items() if p.pid is not None},
-            exitcodes={r: p.exitcode for r, p in procs.items()},
-        )
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as cleanup:
+        listener = cleanup.enter_context(_procs.loopback_listener())  # rank 0 serves env:// on it
+        alive_r, alive_w = mp_ctx.Pipe(
+            duplex=False
+        )  # closes when this process dies: ranks watch it
+        cleanup.callback(alive_r.close)
+        cleanup.callback(alive_w.close)
+        payload["master_port"] = listener.getsockname()[1]
+        (run_dir / PAYLOAD).write_bytes(cloudpickle.dumps(payload))
         write_json(run_dir / "launch.json", meta)
+        tails = []
+        for r in range(world_size):
+            prefix = f"[rank {r}] "
+            tails.append(Tail(log_path(run_dir, r, "out"), prefix, sys.stdout if echo else None))
+            tails.append(
+                Tail(log_path(run_dir, r, "err"), prefix, sys.stderr if echo else None, not_noise)
+            )
+        try:
+            with _procs.no_main_reimport():
+                for r in range(world_size):
+                    procs[r] = mp_ctx.Process(
+                        target=rank_main,
+                        args=(str(run_dir), r, env, alive_r, listener if r == 0 else None),
+                        name=f"rank{r}",
+                        daemon=False,
+                    )
+                    procs[r].start()
+            alive_r.close()  # the ranks hold their copies; the launcher keeps only the write end
+            listener.close()
+            results = supervise(procs, run_dir, timeout, tails)
+            status = "ok"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            interrupted_notice(world_size, run_dir)
+            raise
+        except BaseException as e:
+            status = type(e).__name__
+            raise
+        finally:
+            stop(procs)
+            meta.update(
+                status=status,
+                wall_time=time.perf_counter() - t0,
+                pids={r: p.pid for r, p in procs.items() if p.pid is not None},
+                exitcodes={r: p.exitcode for r, p in procs.items()},
+            )
+            write_json(run_dir / "launch.json", meta)
     traces = _collect_traces(run_dir, world_size, profile)
     return LaunchResult(
         traces=traces,

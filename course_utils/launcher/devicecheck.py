@@ -6,22 +6,27 @@ CPU, and the first op that meets ``cuda:r`` tensors fails; so does an NCCL colle
 CPU tensor. On a laptop or in CI every rank computes on the CPU, so the same code runs and the
 bug hides until the course meets a GPU node.
 
-:func:`check_devices` makes it visible on CPU. Inside it, every tensor that would land on the
-CPU on a GPU node is *tagged* with where it was made:
+:func:`check_devices` makes it visible on CPU. Inside it, every tensor that would be on the CPU
+of a GPU node is *tagged* with where it was made:
 
-- factory calls (``torch.empty``, ``zeros``, ``randn``, ``tensor``, ...) without ``device=``,
-  ``torch.from_numpy``, and ``.cpu()`` / ``.to("cpu")``;
+- factory calls (``torch.empty``, ``zeros``, ``randn``, ``tensor``, ...) without ``device=``, or
+  with a literal ``device="cpu"``; ``torch.from_numpy``; ``.cpu()`` and ``.to("cpu")``;
 - what is computed from tagged tensors only, ``*_like`` / ``new_*`` of a tagged tensor, and the
   parameters built from them (a module constructed and never moved).
 
-``.to(ctx.device)`` / ``.to(device)`` / ``.cuda()`` remove the tag. A check then fails an op that
-mixes tagged tensors with untagged ones (0-dim tagged tensors are allowed, as CPU scalars are
-beside CUDA tensors), a collective, ``send``/``recv`` or ``batch_isend_irecv`` given a tagged tensor,
-``DistributedDataParallel`` or ``PipelineStage`` given a module with tagged parameters, and
-``.numpy()`` of an untagged tensor. The error names the line that made the tensor.
+``.to(ctx.device)`` (any ``torch.device``), ``.cuda()``, ``.type_as(t)`` and
+``device=ctx.device`` give an untagged tensor. When such a move returns its own input, as it
+does on a CPU machine, it hands back a view instead, so the original keeps its tag, as it keeps
+its place on a GPU node: ``x.to(device)`` without ``x = ...`` is caught.
 
-It is a check, not a simulation: tensors that only ever meet each other on the CPU, or batches
-made in DataLoader worker processes, pass unseen. ``launch`` turns it on for CPU ranks when
+A check then fails an op that mixes tagged tensors with untagged ones (a 0-dim tagged tensor is
+allowed, as a CPU scalar is beside CUDA tensors), a collective, ``send``/``recv`` or
+``batch_isend_irecv`` given a tagged tensor, and ``DistributedDataParallel`` or ``PipelineStage``
+given a module with tagged parameters. The error names the line that made the tensor.
+
+It is a check, not a simulation: tensors that only ever meet each other on the CPU pass unseen,
+and tensors that arrive from elsewhere (DataLoader worker processes, ``torch.load``) count as
+where the code put them next. ``launch`` turns it on for CPU ranks when
 ``COURSE_CHECK_DEVICES=1`` (``make test`` sets it) or ``check_devices=True``.
 """
 
@@ -36,8 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
-TAG = "_course_cpu_site"
 ENV = "COURSE_CHECK_DEVICES"
 
 try:  # the functions torch.set_default_device redirects: every tensor factory taking device=
@@ -64,10 +69,9 @@ NEW = {
     torch.Tensor.new_full,
     torch.Tensor.new_tensor,
 }
-MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
+MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.type_as}
 # Ops where a CPU tensor beside a device tensor is fine: copies and indexing with CPU indices.
 MIXING_ALLOWED = {torch.Tensor.copy_, torch.Tensor.__getitem__, torch.Tensor.__setitem__}
-NUMPY = {torch.Tensor.numpy, torch.Tensor.__array__}
 # Two tensors, metadata only (Module._apply asks this before swapping a parameter's data).
 METADATA = {torch._has_compatible_shallow_copy_type, torch.is_same_size}
 SET_DATA = torch.Tensor.data.__set__  # `param.data = t`: param now lives where t does
@@ -90,8 +94,11 @@ COLLECTIVES = (
 # isend / irecv stay as they are: torch tells P2POps apart by identity (`op.op is isend`). Their
 # tensors are checked when they go through batch_isend_irecv, and by the mode as soon as they meet
 # the rank's device.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_TAGS: WeakIdKeyDictionary = (
+    WeakIdKeyDictionary()
+)  # tensor -> where it was made (CPU on a GPU node)
 
 
 class OffDeviceError(RuntimeError):
@@ -115,6 +122,27 @@ def _site() -> str:
     return f"{code.co_name}() at line {frame.f_lineno} of {where}"
 
 
+def _caller_is_torch() -> bool:
+    """Whether the op being checked was called by torch's own Python code."""
+    frame = sys._getframe(2)  # _caller_is_torch <- __torch_function__ <- the caller
+    return frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_TORCH)
+
+
+def _placement(device, caller_is_torch: bool) -> str | None:
+    """``"cpu"``, ``"device"`` (the rank's), or ``None`` when no device is named.
+
+    A literal ``"cpu"`` in course or notebook code means the CPU on every node. Any
+    ``torch.device`` is taken to be the rank's (``ctx.device``, which on a CPU machine compares
+    equal to ``torch.device("cpu")``). torch's own code names devices as strings it picked for the
+    backend ("cpu" for gloo, "cuda" for NCCL): trusted as the right device.
+    """
+    if device is None:
+        return None
+    if isinstance(device, str) and device.startswith("cpu") and not caller_is_torch:
+        return "cpu"
+    return "device"
+
+
 def _tensors(args, kwargs) -> list[torch.Tensor]:
     out = []
     for a in (*args, *kwargs.values()):
@@ -125,46 +153,33 @@ def _tensors(args, kwargs) -> list[torch.Tensor]:
     return out
 
 
+def _site_of(t) -> str | None:
+    return _TAGS.get(t) if isinstance(t, torch.Tensor) else None
+
+
 def _tag(value, site: str | None) -> None:
     """Tag (``site``) or untag (``None``) every tensor in ``value``."""
-    items = value if isinstance(value, (list, tuple)) else (value,)
-    for t in items:
+    for t in value if isinstance(value, (list, tuple)) else (value,):
         if isinstance(t, torch.Tensor):
             if site is None:
-                t.__dict__.pop(TAG, None)
+                _TAGS.pop(t, None)
             else:
-                t.__dict__[TAG] = site
+                _TAGS[t] = site
 
 
-def _site_of(t) -> str | None:
-    return t.__dict__.get(TAG) if isinstance(t, torch.Tensor) else None
-
-
-def _move_target(args, kwargs):
-    """``("tensor", t)``, ``("cpu", None)``, ``("device", None)``, or ``None`` (no device given)."""
+def _move_target(func, args, kwargs):
+    """Where a move sends its tensor: ``("tensor", t)``, a device argument, or ``None``."""
+    if func is torch.Tensor.type_as:
+        return "tensor", args[1]
     target = kwargs.get("device")
     if target is None:
         for a in args[1:]:
             if isinstance(a, torch.Tensor):
                 return "tensor", a
             if isinstance(a, (str, torch.device, int)) and not isinstance(a, bool):
-                target = a
-                break
-    if target is None:
+                return "device", a
         return None
-    # A literal "cpu" in course or notebook code means the CPU on every node; a torch.device object
-    # is taken to be the rank's device (ctx.device), which on a CPU machine compares equal to it.
-    # torch's own code names devices as strings it picked for the backend ("cpu" for gloo, "cuda"
-    # for NCCL): trusted as the right device.
-    if isinstance(target, str) and target.startswith("cpu") and not _from_torch():
-        return "cpu", None
-    return "device", None
-
-
-def _from_torch() -> bool:
-    """Whether the op being checked was called by torch's own Python code."""
-    frame = sys._getframe(3)  # _from_torch <- _move_target <- __torch_function__ <- caller
-    return frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_TORCH)
+    return "device", target
 
 
 class _Mode(TorchFunctionMode):
@@ -182,35 +197,34 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in FACTORIES or func in ALWAYS_CPU:
+        if func in FACTORIES or func in ALWAYS_CPU or func in LIKE or func in NEW:
+            placed = _placement(kwargs.get("device"), _caller_is_torch())
             out = func(*args, **kwargs)
-            if kwargs.get("device") is None and not any(out is a for a in args):
+            source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if any(out is a for a in args):
+                return out  # torch.as_tensor(t): t itself, unchanged
+            if func in ALWAYS_CPU or placed == "cpu":
                 _tag(out, _site())
-            return out
-        if func in LIKE or func in NEW:
-            out = func(*args, **kwargs)
-            if kwargs.get("device") is None:
-                _tag(out, _site_of(args[0]))
-            else:
-                _tag(out, _site() if str(kwargs["device"]).startswith("cpu") else None)
+            elif placed is None:  # where its input is (*_like, new_*, tensor(t)), else the CPU
+                _tag(out, _site_of(source) if source is not None else _site())
             return out
         if func in MOVES:
-            out = func(*args, **kwargs)
             if func is torch.Tensor.cpu:
                 site = _site()
             elif func is torch.Tensor.cuda:
                 site = None
             else:
-                target = _move_target(args, kwargs)
-                if target is None:
+                target = _move_target(func, args, kwargs)
+                if target is None:  # a dtype or memory format only: it stays where it is
                     site = _site_of(args[0])
                 elif target[0] == "tensor":
                     site = _site_of(target[1])
                 else:
-                    site = _site() if target[0] == "cpu" else None
-            if out is args[0] and site is not None and _site_of(out) is None:
-                # On a GPU node, .cpu() returns a new tensor and the original stays on the device;
-                # here it returns its input. Hand back a view, so that only the copy is "on the CPU".
+                    site = _site() if _placement(target[1], _caller_is_torch()) == "cpu" else None
+            out = func(*args, **kwargs)
+            if out is args[0] and site != _site_of(out):
+                # A move that returns its input (always, between equal devices) hands back a view:
+                # on a GPU node the original stays where it was, and so does its tag here.
                 out = out.view_as(out)  # the mode is off inside its own handler
             _tag(out, site)
             return out
@@ -219,15 +233,6 @@ class _Mode(TorchFunctionMode):
             _tag(args[0], _site_of(args[1]))
             return out
         if func in METADATA:
-            return func(*args, **kwargs)
-        if func in NUMPY:
-            t = args[0]
-            if _site_of(t) is None:
-                raise OffDeviceError(
-                    f"rank {self.rank}: .numpy() of a tensor on the rank's device. On a GPU node "
-                    f"it is on cuda:{self.rank} and .numpy() fails there: call .cpu() first "
-                    "(`t.detach().cpu().numpy()`). (Found by COURSE_CHECK_DEVICES.)"
-                )
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)
         if not tensors:
@@ -238,14 +243,12 @@ class _Mode(TorchFunctionMode):
             if off:
                 name = getattr(func, "__name__", str(func))
                 t, site = off[0]
-                kind = (
-                    "a parameter" if isinstance(t, nn.Parameter) else f"a tensor {tuple(t.shape)}"
-                )
-                fix = (
-                    "Move the module to the rank's device (`model.to(ctx.device)`) before using it."
-                    if isinstance(t, nn.Parameter)
-                    else "Create it with device=ctx.device, or move it with .to(ctx.device)."
-                )
+                if isinstance(t, nn.Parameter):
+                    kind = "a parameter"
+                    fix = "Move the module to the rank's device (`model.to(ctx.device)`) first."
+                else:
+                    kind = f"a tensor {tuple(t.shape)}"
+                    fix = "Create it with device=ctx.device, or move it: x = x.to(ctx.device)."
                 self.fail(
                     f"`{name}` mixes {kind} made without a device with tensors on the rank's device",
                     site,
@@ -280,7 +283,7 @@ class _CheckedCollective:
                     f"dist.{self.name} was given a tensor {tuple(t.shape)} made without a device; "
                     "NCCL moves GPU tensors only",
                     site,
-                    "Create it with device=ctx.device, or move it with .to(ctx.device).",
+                    "Create it with device=ctx.device, or move it: x = x.to(ctx.device).",
                 )
         return self.fn(*args, **kwargs)
 
@@ -307,7 +310,10 @@ def _guard_init(cls, label: str, mode: _Mode):
     original = cls.__init__
 
     @functools.wraps(original)
-    def init(self, module, *args, **kwargs):
+    def init(self, *args, **kwargs):
+        module = next(
+            (a for a in (*args, *kwargs.values()) if isinstance(a, nn.Module)), nn.Module()
+        )
         for name, p in module.named_parameters():
             site = _site_of(p)
             if site is not None:
@@ -317,7 +323,7 @@ def _guard_init(cls, label: str, mode: _Mode):
                     site,
                     f"Move the module first: {label}(model.to(ctx.device), ...).",
                 )
-        original(self, module, *args, **kwargs)
+        original(self, *args, **kwargs)
 
     cls.__init__ = init
     return original
@@ -333,9 +339,7 @@ def check_devices(rank: int, device: torch.device):
 
     def parameter_new(cls, data=None, requires_grad=True):
         p = original_new(cls, data, requires_grad)
-        site = _site_of(data)
-        if site is not None:
-            p.__dict__[TAG] = site
+        _tag(p, _site_of(data))
         return p
 
     nn.Parameter.__new__ = staticmethod(parameter_new)

@@ -4,7 +4,7 @@ Order of events in a rank, each step there for a reason:
 
 1. ``os.setsid()``: the rank leads a process group (and session) of its own. Every process it
    starts (DataLoader workers, ``subprocess.Popen`` children, their children) joins that group
-   unless it leaves on purpose, so the launcher stops the whole tree with one ``killpg``.
+   unless it leaves on purpose, so the whole tree stops with one ``killpg`` (:mod:`.groups`).
 2. stdout/stderr (the file descriptors, so C++ and NCCL output too) go to
    ``rank{r}.out`` / ``rank{r}.err`` in the run dir; the launcher tails them.
 3. The launcher's environment, handed over in memory (it never lies on disk: a JupyterHub
@@ -13,21 +13,25 @@ Order of events in a rank, each step there for a reason:
 4. ``faulthandler`` answers SIGUSR1 with every thread's Python stack, so a hung collective can be
    shown. A watchdog thread blocks on a pipe whose other end only the launcher holds: when the
    launcher dies, even as an unreaped zombie, the pipe closes and the rank kills its group.
-5. Child processes of the rank start with ``fork``. A rank is itself forked from the launcher's
-   forkserver and would otherwise inherit *that* server as its default, and DataLoader workers
-   would become the server's children: outside the rank's process group, watching the server
-   instead of the rank. ``fork`` makes them the rank's own children (and lets a Dataset defined in
-   a notebook cell reach them without pickling). They never touch CUDA; torch sets one thread in
-   each worker, which keeps OpenMP safe after the fork.
+5. Child processes of the rank start with ``fork``. A rank inherits ``forkserver`` as its default
+   start method from the process it was forked from; its first DataLoader would then start a
+   forkserver of its own (another interpreter importing torch, seconds per rank), and every
+   worker would be that server's child, watching the server instead of the rank. Worse for a
+   notebook: a Dataset class defined in a cell reaches forkserver and spawn workers only by
+   reference to ``__main__``, which they cannot import. With ``fork`` the workers are the rank's
+   own children, start in milliseconds and receive the Dataset as it is. They never touch CUDA, and
+   torch sets one thread in each, which keeps OpenMP safe after the fork. A rank that needs CUDA
+   in a subprocess of its own asks for ``multiprocessing.get_context("spawn")``.
 6. Threads: ``torch.set_num_threads(cores // ranks_on_node)``.
 7. The process group is initialised from a FileStore in the run dir. With
    ``init_process_group=False``, rank 0 serves a TCPStore on ``127.0.0.1:MASTER_PORT`` from a
    socket the launcher bound in advance, so a worker's own ``env://`` rendezvous finds it there
    instead of opening a port on every interface.
 8. The worker runs; its return value (or its exception) is written atomically.
-9. ``os._exit``: gloo threads still alive after ``destroy_process_group`` can
-   abort a normally ending interpreter (SIGABRT, "terminate called without an
-   active exception"); the result is already on disk, so nothing is lost.
+9. Whatever the rank started and left running is killed (:func:`.groups.kill_rest_of_my_group`).
+10. ``os._exit``: gloo threads still alive after ``destroy_process_group`` can
+    abort a normally ending interpreter (SIGABRT, "terminate called without an
+    active exception"); the result is already on disk, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from .context import RankContext
+from .groups import kill_rest_of_my_group
 
 PAYLOAD = "payload.pkl"
 STORE = "rendezvous"
@@ -285,5 +290,6 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
             print(f"destroy_process_group failed after the result was saved: {e}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
+    kill_rest_of_my_group()  # DataLoader workers, subprocesses: nothing outlives the rank
     del store  # served other ranks' env:// rendezvous until now
     os._exit(0 if ok else 1)

@@ -17,8 +17,8 @@ Safety on a shared node (a JupyterHub with one ``/tmp`` for everyone):
   with ``O_NOFOLLOW``: a symlink planted there by someone else is refused, never followed;
 - an existing folder must belong to this user and be writable by nobody else; its mode is
   never changed. Only folders launch creates get ``chmod 0700``;
-- the folder holding them must not let others rename them (not writable by others, or sticky
-  like ``/tmp``).
+- the folder holding them must belong to this user or to root (its owner can rename anything in
+  it), and must not let others rename them: not writable by others, or sticky like ``/tmp``.
 """
 
 from __future__ import annotations
@@ -119,8 +119,15 @@ def _open_dir(name: str, parent_fd: int, path: Path) -> int:
 
 
 def _check_base(fd: int, path: Path) -> None:
+    """The folder launch's own folders live in: only its owner (and root) may rename them there."""
     st = os.fstat(fd)
     mode = stat.S_IMODE(st.st_mode)
+    if hasattr(os, "getuid") and st.st_uid not in (0, os.getuid()):
+        raise RunDirError(
+            f"{path} belongs to another user (uid {st.st_uid}), who can rename anything inside it "
+            f"and put a folder of their own in its place. Set {RUNS_ENV} to a folder under your "
+            "home directory."
+        )
     if mode & 0o022 and not mode & stat.S_ISVTX:
         raise RunDirError(
             f"{path} is writable by other users and not sticky (mode {mode:04o}): anyone could "
@@ -152,9 +159,9 @@ def _private_root(root: str | Path | None = None):
             child = _open_dir(name, fd, path)
             os.close(fd)
             fd = child
+            _check_owned(fd, path)
             if created:
                 os.fchmod(fd, 0o700)  # ours: private whatever the umask says
-            _check_owned(fd, path)
         yield path, fd
     finally:
         os.close(fd)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -14,6 +13,7 @@ from pathlib import Path
 import cloudpickle
 
 from .errors import RankFailedError, RankTimeoutError
+from .groups import signal_group
 from .rank import log_path, result_path, stacks_path
 
 SIGNAL_HINTS = {
@@ -94,40 +94,20 @@ def _tail_text(path: Path, lines: int = 15) -> str:
     return "\n".join(text[-lines:])
 
 
-def _signal_group(p, sig: int) -> None:
-    """Send ``sig`` to rank ``p``'s whole process group: the rank and everything it started.
-
-    A rank calls ``setsid()`` first thing, so its pid is its group's id. Until it has (a rank
-    stopped in its first microseconds), only the process itself is signalled; it has no children
-    yet. A group id stays reserved while any member lives, so signalling it after the rank was
-    reaped reaches only the rank's leftovers.
-    """
-    try:
-        os.killpg(p.pid, sig)
-        return
-    except ProcessLookupError:
-        pass  # no group: the rank has not called setsid yet, or everything in it is gone
-    except PermissionError:
-        return
-    if p.exitcode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p.pid, sig)
-
-
 def stop(procs: dict, grace: float = 1.0) -> None:
     """SIGTERM every rank's process group, SIGKILL what is left after ``grace`` seconds; reap them all.
 
-    Groups are signalled even when their rank has exited: a rank's DataLoader workers or its own
-    subprocesses may have outlived it.
+    Groups are signalled even when their rank has exited: a rank killed by a signal may leave
+    DataLoader workers or subprocesses behind (:mod:`.groups` says when that is safe).
     """
     started = [p for p in procs.values() if p.pid is not None]
     for p in started:
-        _signal_group(p, signal.SIGTERM)
+        signal_group(p.pid, signal.SIGTERM, p.exitcode is None)
     deadline = time.monotonic() + grace
     for p in started:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in started:
-        _signal_group(p, signal.SIGKILL)
+        signal_group(p.pid, signal.SIGKILL, p.exitcode is None)
     for p in started:
         p.join(5)
 
@@ -186,7 +166,8 @@ def _failure_message(rank: int, p, record: dict | None, run_dir: Path) -> tuple[
 
 
 def supervise(procs: dict, run_dir: Path, timeout: float, tails: list[Tail]) -> dict:
-    """Wait for every rank; return ``{rank: value}`` or raise, leaving no rank alive."""
+    """Wait for every rank; return ``{rank: value}`` or raise. Ranks still running when it raises
+    (an interrupt) are the caller's to stop: ``launch`` always calls :func:`stop` at the end."""
     results: dict = {}
     deadline = time.monotonic() + timeout
     pending = set(procs)
@@ -234,9 +215,6 @@ def supervise(procs: dict, run_dir: Path, timeout: float, tails: list[Tail]) -> 
                     run_dir,
                     results,
                 )
-    except BaseException:
-        stop(procs)
-        raise
     finally:
         for t in tails:
             t.poll(final=True)

@@ -57,12 +57,14 @@ def time_costs(layers: list[nn.Module], sample: torch.Tensor, repeats: int = 5) 
     """Measured forward + backward seconds of each layer on ``sample`` (one micro-batch).
 
     GPU kernels run asynchronously, so the clock is read only after a synchronize. The layers'
-    gradients are left as they were: the measurement's backward passes leave nothing behind.
+    gradients and buffers (BatchNorm's running statistics) are left as they were.
     """
     params = [q for layer in layers for q in layer.parameters()]
     saved = [q.grad for q in params]
     for q in params:  # backward would accumulate into the existing tensors in place
         q.grad = None
+    buffers = [b for layer in layers for b in layer.buffers()]
+    saved_buffers = [b.detach().clone() for b in buffers]
     costs, x = [], sample
     try:
         for layer in layers:
@@ -80,6 +82,9 @@ def time_costs(layers: list[nn.Module], sample: torch.Tensor, repeats: int = 5) 
     finally:
         for q, g in zip(params, saved):
             q.grad = g
+        with torch.no_grad():
+            for b, v in zip(buffers, saved_buffers):
+                b.copy_(v)
     return costs
 
 
