@@ -10,12 +10,14 @@ KSPEC  := $(VENV)/share/jupyter/kernels/$(KERNEL)/kernel.json
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export JUPYTER_PATH := $(CURDIR)/$(VENV)/share/jupyter$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
 
-.PHONY: help setup lab course test test-fast lint format doctor clean
+.PHONY: help setup lab course student answers test test-fast lint format doctor clean
 
 help:
 	@echo "make setup   create .venv from requirements.txt, install course_utils, register the '$(KERNEL)' kernel"
 	@echo "make lab     open JupyterLab on notebooks/"
 	@echo "make course  execute every notebook headless into build/ (ipynb + html) with a timing table"
+	@echo "make student copies without solutions into build/student/ (exercises raise NotImplementedError)"
+	@echo "make answers copies with the model answers, markers removed, into build/answers/"
 	@echo "make test    unit + multi-process tests, then nbval over every notebook at the ci size"
 	@echo "make lint    ruff check + format check"
 	@echo "make doctor  what this node has: GPUs, interconnect, working backends, chosen size"
@@ -41,6 +43,12 @@ lab: setup
 
 course: setup
 	$(PY) -m course_utils course --out build
+
+student: setup
+	$(PY) -m course_utils copies --kind student --out build/student
+
+answers: setup
+	$(PY) -m course_utils copies --kind answers --out build/answers
 
 test: setup
 	COURSE_SIZE=$${COURSE_SIZE:-ci} COURSE_CHECK_DEVICES=1 $(PY) -m pytest tests notebooks --nbval-lax --nbval-cell-timeout=600

@@ -4,6 +4,7 @@ python -m course_utils doctor [--json]
 python -m course_utils data download --root DIR [--datasets cifar10 fashionmnist]
 python -m course_utils bench launch --world-size 4 [--rounds 5]
 python -m course_utils course --out build [--size ci|cpu|gpu] [--only 01]
+python -m course_utils copies --kind student|answers --out build/student
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", default=None, help="notebook prefixes, e.g. 01 03")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
 
+    p = sub.add_parser(
+        "copies", help="notebook copies without solutions (student) or with (answers)"
+    )
+    p.add_argument("--kind", choices=["student", "answers"], required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--src", default=None, help="folder of source notebooks (default: notebooks/)")
+
     args = parser.parse_args(argv)
     if args.cmd == "doctor":
         from . import doctor
@@ -130,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         from . import course
 
         return course.main(args.out, args.size, args.only, args.timeout)
+    if args.cmd == "copies":
+        from .exercises import write_copies
+
+        for path in write_copies(args.kind, args.out, args.src):
+            print(path)
+        return 0
     return 2
 
 

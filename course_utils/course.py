@@ -10,7 +10,9 @@ instructor checks before a session.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -24,30 +26,74 @@ def find_notebooks(folder: Path | None = None, only: list[str] | None = None) ->
     return found
 
 
+class _Where:
+    """Where a run is inside a notebook: ``cell k of n``, rewritten in place in a terminal."""
+
+    def __init__(self, name: str, cells: int, stream=None):
+        self.name, self.cells = name, cells
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.t0 = self.last = time.perf_counter()
+        self.count = 0
+
+    def cell(self, **_) -> None:
+        self.count += 1
+        now = time.perf_counter()
+        line = f"  {self.name}: cell {self.count} of {self.cells}, {now - self.t0:.0f} s"
+        if self.tty:
+            self.stream.write("\r" + line + "\x1b[K")
+            self.stream.flush()
+        elif now - self.last > 30:  # a log file: a line every half minute at most
+            self.stream.write(line + "\n")
+            self.stream.flush()
+            self.last = now
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
 def execute(nb_path: Path, out_dir: Path, timeout: int = 1800) -> tuple[str, float, str]:
-    """Run one notebook; return (status, seconds, error summary)."""
+    """Run one notebook; return (status, seconds, error summary).
+
+    The kernel's own output (debugger and transport warnings) and nbclient's log go to
+    ``out_dir/logs/NAME.kernel.log``, not into the table.
+    """
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
     from nbconvert import HTMLExporter
 
     nb = nbformat.read(nb_path, as_version=4)
+    code_cells = sum(c.cell_type == "code" for c in nb.cells)
+    where = _Where(nb_path.stem, code_cells)
+    logs = out_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_file = open(logs / f"{nb_path.stem}.kernel.log", "w")  # noqa: SIM115 - closed below
     client = NotebookClient(
         nb,
         timeout=timeout,
         kernel_name=nb.metadata.get("kernelspec", {}).get("name", "python3"),
         resources={"metadata": {"path": str(nb_path.parent)}},
+        on_cell_start=where.cell,
     )
+    handler = logging.StreamHandler(log_file)
+    client.log.addHandler(handler)
+    client.log.propagate = False
     t0 = time.perf_counter()
     status, error = "ok", ""
     try:
-        client.execute()
+        client.execute(stdout=log_file, stderr=log_file)
     except CellExecutionError as e:
         status, error = "FAILED", str(e).strip().splitlines()[-1][:200]
     except Exception as e:  # kernel died, timeout: still write what ran
         status, error = "FAILED", f"{type(e).__name__}: {e}"[:200]
+    finally:
+        where.done()
+        client.log.removeHandler(handler)
+        log_file.close()
     seconds = time.perf_counter() - t0
-    out_dir.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, out_dir / nb_path.name)
     html, _ = HTMLExporter().from_notebook_node(nb)
     (out_dir / nb_path.with_suffix(".html").name).write_text(html, encoding="utf-8")
@@ -66,14 +112,16 @@ def main(
         print(f"no notebooks matched under {NOTEBOOK_DIR} (only={only})")
         return 1
     out_dir = Path(out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
     print(f"Executing {len(notebooks)} notebook(s) at size '{get_size().name}' into {out_dir}")
     rows = []
     for nb in notebooks:
         print(f"  running {nb.name} ...", flush=True)
         rows.append((nb.stem, *execute(nb, out_dir, timeout)))
+        print(f"    {rows[-1][1]} in {rows[-1][2]:.1f} s", flush=True)
     width = max(len(r[0]) for r in rows)
     print(f"\n{'notebook':<{width}}  status  seconds")
     for name, status, seconds, error in rows:
         print(f"{name:<{width}}  {status:<6}  {seconds:7.1f}" + (f"  {error}" if error else ""))
-    print(f"\nExecuted notebooks and HTML: {out_dir}")
+    print(f"\nExecuted notebooks and HTML: {out_dir} (kernel logs in {out_dir / 'logs'})")
     return 0 if all(r[1] == "ok" for r in rows) else 1

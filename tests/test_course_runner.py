@@ -41,3 +41,21 @@ def test_course_runner_writes_html_and_reports_failures(tmp_path, monkeypatch, c
     assert "size ci" in good.cells[0].outputs[0]["text"]
     assert (out / "01_good.html").read_text().count("size ci") >= 1
     assert (out / "02_bad.html").exists()  # a failed notebook still leaves its traceback to read
+    assert (out / "logs" / "01_good.kernel.log").exists()  # the kernel's chatter goes here
+    assert "Debugger warning" not in table and "frozen modules" not in table
+
+
+def test_where_inside_a_notebook_is_shown_in_a_terminal():
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    where = course._Where("03_ddp", 5, term)
+    for _ in range(3):
+        where.cell()
+    where.done()
+    assert "03_ddp: cell 3 of 5" in term.getvalue()
+    assert term.getvalue().endswith("\r\x1b[K")  # the line is wiped before the table

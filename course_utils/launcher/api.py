@@ -24,6 +24,7 @@ from ..profiling.capture import ProfileConfig
 from . import devicecheck as _devicecheck
 from . import procs as _procs
 from .context import cpu_threads_per_rank
+from .progress import Progress
 from .rank import PAYLOAD, log_path, rank_main
 from .rundir import new_run_dir, write_json
 from .spec import build_spec
@@ -96,6 +97,15 @@ def _collect_traces(
     return traces
 
 
+def _outcome(run_dir: Path, world_size: int) -> dict[int, str]:
+    """How each rank ended, for the progress display: done, failed, or stopped by the launcher."""
+    out = {}
+    for r in range(world_size):
+        record = read_record(run_dir, r)
+        out[r] = "stopped" if record is None else "done" if record.get("ok") else "failed"
+    return out
+
+
 def _notice(msg: str) -> None:
     if msg not in _notices:
         _notices.add(msg)
@@ -151,6 +161,7 @@ def launch(
     extras: dict | None = None,
     profile: bool | ProfileConfig | None = None,
     check_devices: bool | None = None,
+    progress: bool | None = None,
     **kwargs,
 ) -> LaunchResult:
     """Run ``worker(ctx, **kwargs)`` on ``world_size`` ranks, each a real process.
@@ -161,6 +172,10 @@ def launch(
     returns a :class:`LaunchResult`; if a rank raises, is killed or the job runs
     past ``timeout`` seconds, every rank is stopped and a
     :class:`~course_utils.launcher.errors.LaunchError` says which rank and why.
+
+    A run that lasts more than a few seconds shows one compact status per rank (starting, step k
+    of n through ``ctx.step(total=n)``, done, failed): a widget in Jupyter, one line in a terminal;
+    ``progress=False`` hides it.
 
     ``check_devices=True`` (default: ``$COURSE_CHECK_DEVICES``) makes CPU ranks fail where a GPU
     node would: on a tensor made without ``device=ctx.device`` meeting the rank's device, or a module
@@ -239,12 +254,14 @@ def launch(
         payload["master_port"] = listener.getsockname()[1]
         (run_dir / PAYLOAD).write_bytes(cloudpickle.dumps(payload))
         write_json(run_dir / "launch.json", meta)
+        shown = Progress(run_dir, world_size, mode=None if progress is not False else "off")
         tails = []
         for r in range(world_size):
             prefix = f"[rank {r}] "
-            tails.append(Tail(log_path(run_dir, r, "out"), prefix, sys.stdout if echo else None))
+            out, err = (sys.stdout, sys.stderr) if echo else (None, None)
+            tails.append(Tail(log_path(run_dir, r, "out"), prefix, out, None, shown.clear_line))
             tails.append(
-                Tail(log_path(run_dir, r, "err"), prefix, sys.stderr if echo else None, not_noise)
+                Tail(log_path(run_dir, r, "err"), prefix, err, not_noise, shown.clear_line)
             )
         try:
             with _procs.no_main_reimport():
@@ -258,7 +275,7 @@ def launch(
                     procs[r].start()
             alive_r.close()  # the ranks hold their copies; the launcher keeps only the write end
             listener.close()
-            results = supervise(procs, run_dir, timeout, tails)
+            results = supervise(procs, run_dir, timeout, tails, shown)
             status = "ok"
         except KeyboardInterrupt:
             status = "interrupted"
@@ -269,6 +286,7 @@ def launch(
             raise
         finally:
             stop(procs)
+            shown.finish(_outcome(run_dir, world_size))
             meta.update(
                 status=status,
                 wall_time=time.perf_counter() - t0,

@@ -8,6 +8,7 @@ so a worker written against it runs unchanged under all three.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,15 +40,26 @@ class RankContext:
     """Free-form per-run values other course_utils modules attach."""
     on_step: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     """Called by :meth:`step`; set by ``launch(profile=...)`` to drive the profiler."""
+    steps_done: int = field(default=0, compare=False)
+    """How many times :meth:`step` was called."""
+    steps_total: int | None = field(default=None, compare=False)
+    """The number of steps the worker announced (``ctx.step(total=n)``), for the progress display."""
+    status: StatusFile | None = field(default=None, repr=False, compare=False)
+    """Where this rank reports its state to ``launch``'s progress display (``None`` elsewhere)."""
 
-    def step(self) -> None:
-        """Mark the end of one training step.
+    def step(self, total: int | None = None) -> None:
+        """Mark the end of one training step (``total``: how many steps the worker will run).
 
-        Drives the profiler under ``launch(..., profile=...)`` and does nothing
-        otherwise, so a worker can always call it.
+        Drives the profiler under ``launch(..., profile=...)`` and the per-rank progress display
+        ("step 3 of 10"); elsewhere it only counts, so a worker can always call it.
         """
+        self.steps_done += 1
+        if total is not None:
+            self.steps_total = total
         if self.on_step is not None:
             self.on_step()
+        if self.status is not None:
+            self.status.write("step", self.steps_done, self.steps_total)
 
     @property
     def is_main(self) -> bool:
@@ -62,6 +74,35 @@ class RankContext:
     def path(self, name: str) -> Path:
         """A file name in the run dir, tagged with this rank: ``path("loss.pt")`` -> ``rank1.loss.pt``."""
         return self.run_dir / f"rank{self.rank}.{name}"
+
+
+class StatusFile:
+    """One rank's state for the launcher's progress display: ``rank{r}.status`` in the run dir.
+
+    A line ``state step total``, replaced atomically; step updates at most five times a second.
+    """
+
+    def __init__(self, path: Path):
+        self.path, self.last_step = Path(path), 0.0
+
+    def write(self, state: str, step: int = 0, total: int | None = None) -> None:
+        if state == "step":
+            now = time.monotonic()
+            if now - self.last_step < 0.2 and step != total:
+                return
+            self.last_step = now
+        tmp = self.path.with_suffix(".status.tmp")
+        tmp.write_text(f"{state} {step} {total if total is not None else -1}")
+        os.replace(tmp, self.path)
+
+
+def read_status(path: Path) -> tuple[str, int, int | None] | None:
+    """``(state, step, total)`` from a :class:`StatusFile`, or ``None`` before the first write."""
+    try:
+        state, step, total = Path(path).read_text().split()
+    except (FileNotFoundError, ValueError):
+        return None
+    return state, int(step), None if int(total) < 0 else int(total)
 
 
 def cpu_threads_per_rank(local_world_size: int) -> int:

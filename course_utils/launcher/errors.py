@@ -19,14 +19,26 @@ class LaunchError(RuntimeError):
 
 
 class RankFailedError(LaunchError):
-    """A rank raised an exception or was killed by a signal."""
+    """A rank raised an exception or was killed by a signal.
+
+    ``exc_type`` and ``exc_message``: the name and text of the rank's exception (``None`` when
+    it was killed instead).
+    """
 
     def __init__(
-        self, message: str, rank: int, run_dir=None, results=None, signal: int | None = None
+        self,
+        message: str,
+        rank: int,
+        run_dir=None,
+        results=None,
+        signal: int | None = None,
+        exc_type: str | None = None,
+        exc_message: str | None = None,
     ):
         super().__init__(message, run_dir, results)
         self.rank = rank
         self.signal = signal
+        self.exc_type, self.exc_message = exc_type, exc_message
 
 
 class RankTimeoutError(LaunchError):

@@ -53,7 +53,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from .context import RankContext
+from .context import RankContext, StatusFile
 from .groups import kill_rest_of_my_group
 
 PAYLOAD = "payload.pkl"
@@ -195,6 +195,8 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
     """
     os.setsid()  # first: everything this rank starts from now on is in its process group
     run_dir = Path(run_dir)
+    status = StatusFile(run_dir / f"rank{rank}.status")  # for launch's progress display
+    status.write("starting")
     _redirect_output(run_dir, rank)
     _watch_launcher(alive)
     payload = cloudpickle.loads((run_dir / PAYLOAD).read_bytes())
@@ -245,6 +247,7 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
         local_world_size=payload["local_world_size"],
         init_method=os.environ["COURSE_INIT_METHOD"],
         extras=dict(payload.get("extras", {})),
+        status=status,
     )
     ok = False
     try:
@@ -252,6 +255,7 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
             torch.cuda.set_device(device)
         if payload["init_process_group"]:
             _init_process_group(ctx, payload["pg_timeout"])
+        status.write("running")
         checking = contextlib.nullcontext()
         if payload.get("check_devices"):
             from .devicecheck import check_devices
@@ -283,6 +287,7 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
     tmp = result_path(run_dir, rank).with_suffix(".tmp")
     tmp.write_bytes(blob)
     os.replace(tmp, result_path(run_dir, rank))
+    status.write("done" if ok else "failed")
     if ok and dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

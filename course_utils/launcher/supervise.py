@@ -43,10 +43,14 @@ def not_noise(line: str) -> bool:
 
 
 class Tail:
-    """Follow one rank's log file and echo new complete lines with a rank prefix."""
+    """Follow one rank's log file and echo new complete lines with a rank prefix.
 
-    def __init__(self, path: Path, prefix: str, stream, line_filter=None):
+    ``before_write`` runs before any echo (the progress line clears itself there).
+    """
+
+    def __init__(self, path: Path, prefix: str, stream, line_filter=None, before_write=None):
         self.path, self.prefix, self.stream, self.filter = path, prefix, stream, line_filter
+        self.before_write = before_write
         self.pos, self.partial = 0, b""
 
     def poll(self, final: bool = False) -> None:
@@ -66,6 +70,8 @@ class Tail:
         if self.filter is not None:
             out = [ln for ln in out if self.filter(ln)]
         if out and self.stream is not None:
+            if self.before_write is not None:
+                self.before_write()
             self.stream.write("".join(f"{self.prefix}{ln}\n" for ln in out))
             self.stream.flush()
 
@@ -165,7 +171,7 @@ def _failure_message(rank: int, p, record: dict | None, run_dir: Path) -> tuple[
     return msg, sig_no
 
 
-def supervise(procs: dict, run_dir: Path, timeout: float, tails: list[Tail]) -> dict:
+def supervise(procs: dict, run_dir: Path, timeout: float, tails: list[Tail], progress=None) -> dict:
     """Wait for every rank; return ``{rank: value}`` or raise. Ranks still running when it raises
     (an interrupt) are the caller's to stop: ``launch`` always calls :func:`stop` at the end."""
     results: dict = {}
@@ -176,6 +182,8 @@ def supervise(procs: dict, run_dir: Path, timeout: float, tails: list[Tail]) -> 
             wait([procs[r].sentinel for r in pending], timeout=0.05)
             for t in tails:
                 t.poll()
+            if progress is not None:
+                progress.update()
             failed = []
             for r in sorted(pending):
                 if procs[r].exitcode is None:
@@ -198,7 +206,15 @@ def supervise(procs: dict, run_dir: Path, timeout: float, tails: list[Tail]) -> 
                     f"\n\nThe other ranks were stopped ({others or 'none left'}); finished ranks "
                     f"{sorted(results) or 'none'} kept their results. Logs: {run_dir}"
                 )
-                raise RankFailedError(msg, rank, run_dir, results, sig)
+                raise RankFailedError(
+                    msg,
+                    rank,
+                    run_dir,
+                    results,
+                    sig,
+                    exc_type=record.get("exc_type") if record else None,
+                    exc_message=record.get("message") if record else None,
+                )
             if time.monotonic() > deadline:
                 stacks = dump_stacks({r: procs[r] for r in pending}, run_dir)
                 stop(procs)
