@@ -83,8 +83,10 @@ def test_gpu_fixture_breakdown_exact_and_straggler():
     )
     assert (b0.data, b0.optimizer, b0.idle) == pytest.approx((0.9, 0.6, 2.0))
     assert (b1.compute, b1.communication) == pytest.approx((5.5, 1.0))
-    assert a.straggler() == 1
+    assert a.stragglers()[0]["straggler"] == 1  # the slowest rank of this step
     assert a.stragglers()[0]["waited_ms"][0] == pytest.approx(1.0)
+    assert a.straggler() is None  # 1 ms more of 6 ms is within the default 25% margin
+    assert a.straggler(margin=0.1) == 1
 
 
 def test_committed_cpu_gloo_fixture():
@@ -192,15 +194,65 @@ def test_parallel_parse_matches_serial(tmp_path):
     assert [t.start.tolist() for t in serial.values()] == [t.start.tolist() for t in par.values()]
 
 
-def test_plots_draw_one_lane_per_rank():
+def slower(events, factor):
+    """The same step with the compute op ``factor`` times as long (the rest shifted after it)."""
+    out = []
+    for e in events:
+        e = dict(e)
+        if e["name"] == "aten::mm":
+            e["dur"] = int(e["dur"] * factor)
+        out.append(e)
+    return out
+
+
+def test_plots_name_the_straggler_by_the_analysis_rule(tmp_path):
     from course_utils.profiling import plots
 
-    a = analyse(load_traces(FIXTURES / "gpu_minimal"))
+    write(tmp_path / "rank0.json", CPU_EVENTS, rank=0)
+    write(tmp_path / "rank1.json", slower(CPU_EVENTS, 2.0), rank=1)
+    a = analyse(load_traces(tmp_path))
+    assert a.straggler() == 1
     ax = plots.timeline(a)
-    labels = [t.get_text() for t in ax.get_yticklabels()]
-    assert labels == ["rank 0", "rank 1 (straggler)"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1 (straggler)"]
     ax = plots.breakdown_bars(a)
     assert "(straggler)" in ax.get_xticklabels()[1].get_text()
+    assert "<- straggler" in a.table().splitlines()[3]  # rank 1's row
+    balanced = analyse(load_traces(FIXTURES / "gpu_minimal"))  # 1 ms of 6: within the margin
+    ax = plots.timeline(balanced, [5])  # what the step picker draws for one step
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
+    assert "straggler" not in balanced.table()
+
+
+def test_a_lead_that_changes_hands_is_no_straggler(tmp_path):
+    def two_steps(first, second):
+        out = []
+        for k, (factor, t0) in enumerate(((first, 0), (second, 200_000))):
+            for e in slower(CPU_EVENTS, factor):
+                out.append({**e, "ts": e["ts"] + t0, "name": e["name"].replace("#3", f"#{k}")})
+        return out
+
+    write(tmp_path / "rank0.json", two_steps(2.0, 1.0), rank=0)  # slow in step 0
+    write(tmp_path / "rank1.json", two_steps(1.0, 2.0), rank=1)  # slow in step 1
+    a = analyse(load_traces(tmp_path))
+    assert [s["straggler"] for s in a.stragglers()] == [0, 1]
+    assert a.straggler() is None
+
+
+def test_table_columns_are_unambiguous():
+    a = analyse(load_traces(FIXTURES / "gpu_minimal"))
+    head = a.table().splitlines()[0]
+    labels = [h.strip() for h in head.split("|")]
+    assert labels == [
+        "rank",
+        "step",
+        "compute",
+        "comm exposed",
+        "data",
+        "optimizer",
+        "idle",
+        "comm total",
+        "comm hidden",
+    ]
 
 
 def test_waiting_inside_an_annotation_is_not_compute(tmp_path):

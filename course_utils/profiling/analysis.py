@@ -17,8 +17,9 @@ each segment gets exactly one class, so the classes add up to the step time:
 
 Straggler: in synchronous data parallelism every rank waits for the slowest
 one inside a collective. Per step, the rank with the most non-communication
-work (compute + data + optimizer) is the straggler, and the others waited
-for it by the difference.
+work (compute + data + optimizer) is the slowest, and the others waited for
+it by the difference. A rank is named *the* straggler only when it is clearly
+the slowest in every recorded step (:meth:`Analysis.straggler`).
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def analyse_trace(t: Trace) -> list[StepBreakdown]:
                 cs, ce = union(
                     np.clip(t.start[comm_main], s0, s1), np.clip(t.end[comm_main], s0, s1)
                 )
-                unions["compute"] = _subtract(unions["compute"], (cs, ce))
+                unions["compute"] = subtract(unions["compute"], (cs, ce))
         bounds = np.unique(
             np.concatenate([[s0, s1], *[np.concatenate(u) for u in unions.values()]])
         )
@@ -186,10 +187,10 @@ def analyse_trace(t: Trace) -> list[StepBreakdown]:
     return out
 
 
-def _subtract(
+def subtract(
     a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Disjoint intervals ``a`` minus disjoint intervals ``b``."""
+    """Disjoint intervals ``a`` minus disjoint intervals ``b`` (each a ``(starts, ends)`` pair)."""
     if len(a[0]) == 0 or len(b[0]) == 0:
         return a
     bounds = np.unique(np.concatenate([*a, *b]))
@@ -233,7 +234,11 @@ class Analysis:
         return rows
 
     def stragglers(self) -> list[dict]:
-        """Per step: the slowest rank and how long each other rank waited for it (ms)."""
+        """Per step: the slowest rank and how long each other rank waited for it (ms).
+
+        The slowest rank of one step is a fact about that step (key ``"straggler"``); whether one
+        rank is slow across the run is :meth:`straggler`'s verdict.
+        """
         out = []
         for s in self.step_numbers():
             here = {b.rank: b for b in self.steps if b.step == s}
@@ -249,34 +254,57 @@ class Analysis:
             )
         return out
 
-    def straggler(self, threshold: float = 0.10) -> int | None:
-        """The rank with clearly the most non-communication work, or ``None`` when the ranks are balanced.
+    def straggler(self, margin: float = 0.25) -> int | None:
+        """The rank that is clearly slowest across the run, or ``None``.
 
-        Clearly: its mean busy time (compute + data + optimizer) exceeds the median
-        of the other ranks' by more than ``threshold`` (10%); smaller differences
-        are run-to-run noise.
+        Clearly: in *every* recorded step the same rank has the most non-communication work
+        (compute + data + optimizer), more than ``1 + margin`` times (25% more than) every other
+        rank's. One slow step, or a lead that changes hands, is noise, not a straggler. The table,
+        the timeline, the bars and the step picker all name a straggler by this rule.
         """
-        rows = self.per_rank()
-        if len(rows) < 2:
+        if len(self.ranks()) < 2:
             return None
-        busy = {r["rank"]: r["compute"] + r["data"] + r["optimizer"] for r in rows}
-        slow = max(busy, key=busy.get)
-        others = float(np.median([b for r, b in busy.items() if r != slow]))
-        return slow if busy[slow] > (1 + threshold) * others else None
+        verdicts = set()
+        for s in self.step_numbers():
+            busy = {b.rank: b.busy for b in self.steps if b.step == s}
+            slow = max(busy, key=busy.get)
+            others = max(b for r, b in busy.items() if r != slow)
+            verdicts.add(slow if busy[slow] > (1 + margin) * others else None)
+        return verdicts.pop() if len(verdicts) == 1 else None
 
     def table(self) -> str:
-        """The per-rank means as a text table."""
-        head = f"{'rank':>4} {'step ms':>8} {'compute':>8} {'comm*':>8} {'data':>7} {'optim':>7} {'idle':>7} {'comm all':>8} {'overlap':>7}"
-        lines = [head]
+        """The per-rank means as a text table, one column per class (ms per step)."""
+        cols = [
+            ("rank", 4),
+            ("step", 8),
+            ("compute", 8),
+            ("comm exposed", 13),
+            ("data", 7),
+            ("optimizer", 10),
+            ("idle", 7),
+            ("comm total", 11),
+            ("comm hidden", 12),
+        ]
+        head = " | ".join(f"{name:>{w}}" for name, w in cols)
+        lines = [head, "-" * len(head)]
+        slow = self.straggler()
         for r in self.per_rank():
-            lines.append(
-                f"{r['rank']:>4} {r['step_ms']:8.2f} {r['compute']:8.2f} {r['communication']:8.2f} "
-                f"{r['data']:7.2f} {r['optimizer']:7.2f} {r['idle']:7.2f} {r['comm_total']:8.2f} "
-                f"{r['overlap']:7.0%}"
-            )
+            values = [
+                f"{r['rank']:>4}",
+                f"{r['step_ms']:8.2f}",
+                f"{r['compute']:8.2f}",
+                f"{r['communication']:13.2f}",
+                f"{r['data']:7.2f}",
+                f"{r['optimizer']:10.2f}",
+                f"{r['idle']:7.2f}",
+                f"{r['comm_total']:11.2f}",
+                f"{r['overlap']:12.0%}",
+            ]
+            lines.append(" | ".join(values) + ("   <- straggler" if r["rank"] == slow else ""))
         lines.append(
-            "(ms per step, mean over recorded steps; comm* = exposed communication, comm all = "
-            "exposed + hidden behind compute)"
+            "ms per step, mean over the recorded steps. comm exposed: communication while the rank "
+            "did nothing else; comm total: all of it, including what overlapped compute; comm "
+            "hidden: the share of comm total that overlapped."
         )
         return "\n".join(lines)
 

@@ -1,0 +1,37 @@
+"""Checks for the notebooks' coding exercises.
+
+Each check takes the student's function, runs it on cases the notebook does not show, and
+compares it with a reference kept here, computing the expected result when it runs. It never
+prints the expected answer. When something is wrong it says what, with a hint
+("for a model with frozen layers your gradient count is too high: ..."), by raising
+:class:`ExerciseError`; when all is right it prints one line starting with a check mark.
+
+Exercises, by notebook (``python -m course_utils copies --kind student`` removes the solutions):
+
+- 01: :func:`check_state_bytes`, :func:`check_mlp_activation_bytes`
+- 02: :func:`check_scatter_sizes`, :func:`check_reduce_gradients`
+- 03: :func:`check_ring_all_reduce`, :func:`check_ddp_unused_parameters`
+- 04: :func:`check_exposed_communication`, :func:`check_bus_bandwidth`
+- 05: :func:`check_one_f_one_b`, :func:`check_balanced_split`
+"""
+
+from .common import ExerciseError
+from .nb01 import check_mlp_activation_bytes, check_state_bytes
+from .nb02 import check_reduce_gradients, check_scatter_sizes
+from .nb03 import check_ddp_unused_parameters, check_ring_all_reduce
+from .nb04 import check_bus_bandwidth, check_exposed_communication
+from .nb05 import check_balanced_split, check_one_f_one_b
+
+__all__ = [
+    "ExerciseError",
+    "check_balanced_split",
+    "check_bus_bandwidth",
+    "check_ddp_unused_parameters",
+    "check_exposed_communication",
+    "check_mlp_activation_bytes",
+    "check_one_f_one_b",
+    "check_reduce_gradients",
+    "check_ring_all_reduce",
+    "check_scatter_sizes",
+    "check_state_bytes",
+]

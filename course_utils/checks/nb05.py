@@ -1,0 +1,83 @@
+"""Checks for notebook 05 (pipeline parallelism): the 1F1B order, and balanced stages."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from ..pipeline.partition import balanced_split
+from ..pipeline.simulate import _order
+from .common import fail, passed
+
+
+def _as_pairs(actions) -> list[tuple[str, int]]:
+    out = []
+    for a in actions:
+        kind, micro = (a.kind, a.micro) if hasattr(a, "kind") else (a[0], a[1])
+        out.append((str(kind), int(micro)))
+    return out
+
+
+def check_one_f_one_b(one_f_one_b) -> None:
+    """Exercise 05.1: ``one_f_one_b(p, m)``: per stage, the ("F"|"B", micro-batch) order of 1F1B."""
+    cases = [(2, 1), (2, 4), (3, 5), (4, 8), (4, 2), (4, 4), (8, 3), (5, 16)]
+    for p, m in cases:
+        want = [_as_pairs(acts) for acts in _order("1f1b", p, m, 1)]
+        got = one_f_one_b(p, m)
+        if len(got) != p:
+            fail("05.1", f"for p={p}, m={m} return one list per stage ({p}), got {len(got)}")
+        for s, (mine, ref) in enumerate(zip(got, want)):
+            mine = _as_pairs(mine)
+            if mine == ref:
+                continue
+            if sorted(mine) != sorted(ref):
+                fail(
+                    "05.1",
+                    f"stage {s} of p={p}, m={m}: every micro-batch needs exactly one F and one B "
+                    "on every stage",
+                )
+            warm_mine = next((i for i, a in enumerate(mine) if a[0] == "B"), len(mine))
+            warm_ref = next(i for i, a in enumerate(ref) if a[0] == "B")
+            if warm_mine != warm_ref:
+                fail(
+                    "05.1",
+                    f"stage {s} of p={p}, m={m}: your stage runs {warm_mine} forwards before its first "
+                    "backward; in 1F1B stage s first runs p - s - 1 warm-up forwards (never more than "
+                    "m), then one forward and one backward in turn",
+                )
+            fail(
+                "05.1",
+                f"stage {s} of p={p}, m={m}: after the warm-up, 1F1B alternates one forward and one "
+                "backward, oldest micro-batch first, then drains the remaining backwards",
+            )
+    passed("05.1", f"1F1B order equal to the simulator's for {len(cases)} (p, m) pairs")
+
+
+def _worst(costs, bounds) -> float:
+    return max(sum(costs[a:b]) for a, b in bounds)
+
+
+def check_balanced_split(balanced_split_fn) -> None:
+    """Exercise 05.2: ``balanced_split(costs, p)``: contiguous stages, the slowest as fast as possible."""
+    rng = random.Random(0)
+    cases = [([1, 1, 1, 1], 2), ([8, 1, 1, 1, 1, 1, 1, 1, 1], 2), ([5, 5, 5], 3), ([1, 9, 1, 9, 1], 3)]
+    cases += [([rng.randint(1, 20) for _ in range(rng.randint(4, 12))], p) for p in (2, 3, 4) for _ in range(5)]
+    cases = [(c, p) for c, p in cases if p <= len(c)]
+    for costs, p in cases:
+        got = [tuple(b) for b in balanced_split_fn(list(costs), p)]
+        where = f"costs {costs} on {p} stages"
+        if len(got) != p:
+            fail("05.2", f"{where}: return {p} (start, end) ranges, got {len(got)}")
+        if got[0][0] != 0 or got[-1][1] != len(costs) or any(a >= b for a, b in got):
+            fail("05.2", f"{where}: the ranges must be non-empty and cover every layer, from 0 to {len(costs)}")
+        if any(x[1] != y[0] for x, y in itertools.pairwise(got)):
+            fail("05.2", f"{where}: each stage must start where the previous one ends (contiguous layers)")
+        best = _worst(costs, balanced_split(costs, p))
+        if _worst(costs, got) > best:
+            fail(
+                "05.2",
+                f"{where}: your slowest stage costs {_worst(costs, got)}; a split exists whose slowest "
+                "stage costs less. Try every place for the last cut, with the best split of the "
+                "layers before it into p - 1 stages.",
+            )
+    passed("05.2", f"optimal contiguous splits for {len(cases)} cost lists")
