@@ -10,11 +10,13 @@ KSPEC  := $(VENV)/share/jupyter/kernels/$(KERNEL)/kernel.json
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export JUPYTER_PATH := $(CURDIR)/$(VENV)/share/jupyter$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
 
-.PHONY: help setup lab course student answers test test-fast lint format doctor clean
+.PHONY: help setup lab update course student answers test test-fast lint format doctor clean
+COPIES ?= student
 
 help:
 	@echo "make setup   create .venv from requirements.txt, install course_utils, register the '$(KERNEL)' kernel"
-	@echo "make lab     open JupyterLab on notebooks/"
+	@echo "make lab     open JupyterLab on your working copies in work/ (COPIES=answers for an instructor)"
+	@echo "make update  after git pull: refresh work/ (notebooks you edited are kept, new version beside)"
 	@echo "make course  execute every notebook headless into build/ (ipynb + html) with a timing table"
 	@echo "make student copies without solutions into build/student/ (exercises raise NotImplementedError)"
 	@echo "make answers copies with the model answers, markers removed, into build/answers/"
@@ -39,7 +41,11 @@ $(KSPEC): $(STAMP)
 	$(PY) -m ipykernel install --user --name $(KERNEL) --display-name "Distributed training course" >/dev/null
 
 lab: setup
-	$(PY) -m jupyter lab notebooks/
+	$(PY) -m course_utils workspace --dir work --kind $(COPIES)
+	$(PY) -m jupyter lab work/
+
+update: setup
+	$(PY) -m course_utils workspace --dir work --kind $(COPIES)
 
 course: setup
 	$(PY) -m course_utils course --out build

@@ -8,6 +8,7 @@ models, measurement and plots. ``python -m course_utils doctor`` checks a node.
 
 from .launcher import (
     LaunchError,
+    LaunchInterrupted,
     LaunchResult,
     RankContext,
     RankFailedError,
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LaunchError",
+    "LaunchInterrupted",
     "LaunchResult",
     "RankContext",
     "RankFailedError",

@@ -5,6 +5,7 @@ python -m course_utils data download --root DIR [--datasets cifar10 fashionmnist
 python -m course_utils bench launch --world-size 4 [--rounds 5]
 python -m course_utils course --out build [--size ci|cpu|gpu] [--only 01]
 python -m course_utils copies --kind student|answers --out build/student
+python -m course_utils workspace --dir work [--kind student|answers]
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--src", default=None, help="folder of source notebooks (default: notebooks/)")
 
+    p = sub.add_parser("workspace", help="create or refresh the working copies students open")
+    p.add_argument("--dir", default="work")
+    p.add_argument("--kind", choices=["student", "answers"], default="student")
+
     args = parser.parse_args(argv)
     if args.cmd == "doctor":
         from . import doctor
@@ -138,6 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         from . import course
 
         return course.main(args.out, args.size, args.only, args.timeout)
+    if args.cmd == "workspace":
+        from .workspace import prepare, report
+
+        print(report(prepare(args.dir, args.kind)))
+        print(
+            f"Your notebooks are in {args.dir}/ (git ignores them; `make update` refreshes them)."
+        )
+        return 0
     if args.cmd == "copies":
         from .exercises import write_copies
 

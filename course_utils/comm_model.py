@@ -34,7 +34,9 @@ class AlphaBeta:
 
     def __post_init__(self):
         if self.alpha < 0 or self.beta <= 0:
-            raise ValueError(f"need alpha >= 0 and beta > 0, got alpha={self.alpha}, beta={self.beta}")
+            raise ValueError(
+                f"need alpha >= 0 and beta > 0, got alpha={self.alpha}, beta={self.beta}"
+            )
 
     def p2p(self, nbytes: float) -> float:
         """Seconds for one message of ``nbytes`` between two ranks."""

@@ -36,8 +36,9 @@ class _Where:
         self.t0 = self.last = time.perf_counter()
         self.count = 0
 
-    def cell(self, **_) -> None:
-        self.count += 1
+    def cell(self, cell_index: int | None = None, **_) -> None:
+        """nbclient's ``on_cell_start`` hook: called for every cell, markdown included."""
+        self.count = self.count + 1 if cell_index is None else cell_index + 1
         now = time.perf_counter()
         line = f"  {self.name}: cell {self.count} of {self.cells}, {now - self.t0:.0f} s"
         if self.tty:
@@ -66,8 +67,7 @@ def execute(nb_path: Path, out_dir: Path, timeout: int = 1800) -> tuple[str, flo
     from nbconvert import HTMLExporter
 
     nb = nbformat.read(nb_path, as_version=4)
-    code_cells = sum(c.cell_type == "code" for c in nb.cells)
-    where = _Where(nb_path.stem, code_cells)
+    where = _Where(nb_path.stem, len(nb.cells))
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log_file = open(logs / f"{nb_path.stem}.kernel.log", "w")  # noqa: SIM115 - closed below

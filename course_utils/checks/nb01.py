@@ -145,5 +145,10 @@ def check_mlp_activation_bytes(mlp_activation_bytes) -> None:
             )
         else:
             hint = "which tensors does each layer need again in backward, and how many bytes each?"
-        fail("01.2", f"for {where} your count is too {'high' if got > mem['bytes'] else 'low'}: {hint}.")
-    passed("01.2", f"activation bytes right for {len(cases)} MLPs (measured with saved-tensor hooks)")
+        fail(
+            "01.2",
+            f"for {where} your count is too {'high' if got > mem['bytes'] else 'low'}: {hint}.",
+        )
+    passed(
+        "01.2", f"activation bytes right for {len(cases)} MLPs (measured with saved-tensor hooks)"
+    )

@@ -51,7 +51,12 @@ CASES = {
     ],
     "communication during data loading and the optimizer": [
         _step(7, 0, 80_000),
-        _x("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 20_000, cat="user_annotation"),
+        _x(
+            "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__",
+            0,
+            20_000,
+            cat="user_annotation",
+        ),
         _x("gloo:broadcast", 5_000, 30_000, tid=2, cat="user_annotation"),
         _x("aten::addmm", 20_000, 20_000),
         _x("Optimizer.step#Adam.step", 50_000, 20_000, cat="user_annotation"),
@@ -62,7 +67,13 @@ CASES = {
 
 def _write(path: Path, events) -> Path:
     names = [
-        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "thread 1 (python)"}},
+        {
+            "ph": "M",
+            "name": "thread_name",
+            "pid": 1,
+            "tid": 1,
+            "args": {"name": "thread 1 (python)"},
+        },
         {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": "pt_gloo_runloop"}},
     ]
     data = {"schemaVersion": 1, "traceEvents": names + events, "distributedInfo": {"rank": 0}}

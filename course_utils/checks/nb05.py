@@ -60,8 +60,17 @@ def _worst(costs, bounds) -> float:
 def check_balanced_split(balanced_split_fn) -> None:
     """Exercise 05.2: ``balanced_split(costs, p)``: contiguous stages, the slowest as fast as possible."""
     rng = random.Random(0)
-    cases = [([1, 1, 1, 1], 2), ([8, 1, 1, 1, 1, 1, 1, 1, 1], 2), ([5, 5, 5], 3), ([1, 9, 1, 9, 1], 3)]
-    cases += [([rng.randint(1, 20) for _ in range(rng.randint(4, 12))], p) for p in (2, 3, 4) for _ in range(5)]
+    cases = [
+        ([1, 1, 1, 1], 2),
+        ([8, 1, 1, 1, 1, 1, 1, 1, 1], 2),
+        ([5, 5, 5], 3),
+        ([1, 9, 1, 9, 1], 3),
+    ]
+    cases += [
+        ([rng.randint(1, 20) for _ in range(rng.randint(4, 12))], p)
+        for p in (2, 3, 4)
+        for _ in range(5)
+    ]
     cases = [(c, p) for c, p in cases if p <= len(c)]
     for costs, p in cases:
         got = [tuple(b) for b in balanced_split_fn(list(costs), p)]
@@ -69,9 +78,15 @@ def check_balanced_split(balanced_split_fn) -> None:
         if len(got) != p:
             fail("05.2", f"{where}: return {p} (start, end) ranges, got {len(got)}")
         if got[0][0] != 0 or got[-1][1] != len(costs) or any(a >= b for a, b in got):
-            fail("05.2", f"{where}: the ranges must be non-empty and cover every layer, from 0 to {len(costs)}")
+            fail(
+                "05.2",
+                f"{where}: the ranges must be non-empty and cover every layer, from 0 to {len(costs)}",
+            )
         if any(x[1] != y[0] for x, y in itertools.pairwise(got)):
-            fail("05.2", f"{where}: each stage must start where the previous one ends (contiguous layers)")
+            fail(
+                "05.2",
+                f"{where}: each stage must start where the previous one ends (contiguous layers)",
+            )
         best = _worst(costs, balanced_split(costs, p))
         if _worst(costs, got) > best:
             fail(

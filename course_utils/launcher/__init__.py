@@ -2,10 +2,11 @@
 
 from .api import LaunchResult, launch, load_results, resolve_backend
 from .context import RankContext
-from .errors import LaunchError, RankFailedError, RankTimeoutError
+from .errors import LaunchError, LaunchInterrupted, RankFailedError, RankTimeoutError
 
 __all__ = [
     "LaunchError",
+    "LaunchInterrupted",
     "LaunchResult",
     "RankContext",
     "RankFailedError",

@@ -24,6 +24,7 @@ from ..profiling.capture import ProfileConfig
 from . import devicecheck as _devicecheck
 from . import procs as _procs
 from .context import cpu_threads_per_rank
+from .errors import LaunchInterrupted
 from .progress import Progress
 from .rank import PAYLOAD, log_path, rank_main
 from .rundir import new_run_dir, write_json
@@ -280,7 +281,10 @@ def launch(
         except KeyboardInterrupt:
             status = "interrupted"
             interrupted_notice(world_size, run_dir)
-            raise
+            interrupted = LaunchInterrupted(
+                f"launch was interrupted; all {world_size} ranks were stopped (run dir {run_dir})"
+            )
+            raise interrupted from None
         except BaseException as e:
             status = type(e).__name__
             raise

@@ -165,6 +165,23 @@ def _call(spec: dict, ctx: RankContext, kwargs: dict):
     return None
 
 
+_LAUNCHER = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _worker_traceback(e: BaseException) -> str:
+    """The traceback of the worker's own code: without the launcher's frames above it
+    (``rank_main``, ``_call``) or the device check's frames below it."""
+    te = traceback.TracebackException.from_exception(e)
+    frames = list(te.stack)
+    while frames and frames[0].filename.startswith(_LAUNCHER):
+        frames.pop(0)
+    while frames and frames[-1].filename.startswith(_LAUNCHER + "devicecheck"):
+        frames.pop()
+    if frames:
+        te.stack = traceback.StackSummary.from_list(frames)
+    return "".join(te.format())
+
+
 def _dumps_result(rank: int, record: dict) -> bytes:
     try:
         return cloudpickle.dumps(record)
@@ -273,7 +290,7 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
         record = {"ok": True, "value": value, "time": time.time()}
         ok = True
     except BaseException as e:  # report everything, SystemExit included
-        tb = traceback.format_exc()
+        tb = _worker_traceback(e)
         print(tb, file=sys.stderr, end="")
         record = {
             "ok": False,

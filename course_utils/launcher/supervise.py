@@ -152,6 +152,26 @@ def dump_stacks(procs: dict, run_dir: Path, wait_s: float = 2.0) -> dict[int, st
     }
 
 
+_INTERNAL = re.compile(
+    r'File "([^"]*(course_utils/launcher/|/multiprocessing/|/runpy\.py|/threading\.py)|<string>)"'
+)
+
+
+def worker_stack(dump: str) -> str:
+    """The worker's part of a faulthandler dump: the rank's main thread, minus the launcher's frames.
+
+    A dump lists every thread; the launcher's watchdog thread and the frames that started the
+    worker (``rank_main``, multiprocessing) say nothing about where the worker is stuck.
+    """
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip())
+    main = next((b for b in blocks if b.startswith("Current thread")), None)
+    if main is None:
+        return dump.strip()
+    lines = main.splitlines()
+    frames = [ln for ln in lines[1:] if ln.strip() and not _INTERNAL.search(ln)]
+    return "\n".join([lines[0], *frames]) if frames else main
+
+
 def _failure_message(rank: int, p, record: dict | None, run_dir: Path) -> tuple[str, int | None]:
     if record is not None and not record.get("ok"):
         head = f"rank {rank} raised {record['exc_type']}: {record['message']}"
@@ -220,7 +240,7 @@ def supervise(procs: dict, run_dir: Path, timeout: float, tails: list[Tail], pro
                 stop(procs)
                 harvest(procs, run_dir, results)
                 text = "\n".join(
-                    f"--- rank {r} ---\n{s.rstrip()}" for r, s in sorted(stacks.items())
+                    f"--- rank {r} ---\n{worker_stack(s)}" for r, s in sorted(stacks.items())
                 )
                 raise RankTimeoutError(
                     f"ranks {sorted(stacks)} were still running after timeout={timeout:g}s and were "
