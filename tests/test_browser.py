@@ -204,8 +204,10 @@ def test_a_student_session(lab, browser):
     # 1. rank output arrives while the cell is still running
     run_cell(driver, 1)
     seen_running = wait_for(
-        lambda: "[rank 0] tick 1" in output_text(cells(driver)[1])
-        and prompt(cells(driver)[1]) == "[*]:",
+        lambda: (
+            "[rank 0] tick 1" in output_text(cells(driver)[1])
+            and prompt(cells(driver)[1]) == "[*]:"
+        ),
         90,
         "[rank 0] lines while the cell still runs",
     )
@@ -214,7 +216,9 @@ def test_a_student_session(lab, browser):
 
     # 2. the progress display and the step picker are widgets that render
     out1 = cells(driver)[1]
-    assert out1.find_elements(By.CSS_SELECTOR, ".widget-html, .jupyter-widgets"), "no progress widget"
+    assert out1.find_elements(By.CSS_SELECTOR, ".widget-html, .jupyter-widgets"), (
+        "no progress widget"
+    )
     assert "rank 0: done" in output_text(out1)
     run_cell(driver, 2)
     wait_for(
@@ -228,15 +232,18 @@ def test_a_student_session(lab, browser):
     run_cell(driver, 3)
     wait_for(lambda: "[rank 1] started" in output_text(cells(driver)[3]), 90, "the sleepers")
     pids = wait_for(
-        lambda: [int(p.read_text()) for p in lab["runs"].glob("sleeper*.pid")]
-        if len(list(lab["runs"].glob("sleeper*.pid"))) == 2
-        else None,
+        lambda: (
+            [int(p.read_text()) for p in lab["runs"].glob("sleeper*.pid")]
+            if len(list(lab["runs"].glob("sleeper*.pid"))) == 2
+            else None
+        ),
         30,
         "the sleepers' pids",
     )
     assert all(pid_alive(p) for p in pids)
     stop = driver.find_element(
-        By.CSS_SELECTOR, "jp-button[data-command='notebook:interrupt-kernel'], [data-command='notebook:interrupt-kernel']"
+        By.CSS_SELECTOR,
+        "jp-button[data-command='notebook:interrupt-kernel'], [data-command='notebook:interrupt-kernel']",
     )
     stop.click()
     wait_for(lambda: prompt(cells(driver)[3]) != "[*]:", 60, "the interrupt to end the cell")

@@ -62,3 +62,46 @@ def test_every_notebook_names_the_course_kernel_and_it_is_this_environment():
         f"the course kernel runs {spec.argv[0]}, not this environment's {sys.executable}: "
         "run `make setup`"
     )
+
+
+QUIET = [
+    "import torch, torch.distributed as dist\nfrom course_utils import launch",
+    """def fails(ctx):
+    def helper():
+        raise ValueError("boom on purpose")
+    if ctx.rank == 1:
+        helper()
+launch(fails, 2)""",
+    """def hangs(ctx):
+    t = torch.ones(2, device=ctx.device)
+    if ctx.rank == 0:
+        dist.all_reduce(t)
+    else:
+        dist.recv(t, src=0)
+launch(hangs, 2, timeout=5)""",
+]
+INTERNALS = ("supervise.py", "api.py", "rank.py", "connection.py", "selectors.py", "threading.py")
+
+
+def test_rank_errors_show_the_worker_not_the_launcher(runs_root, tmp_path):
+    import re
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in QUIET]
+    NotebookClient(
+        nb,
+        timeout=180,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": str(tmp_path)}},
+    ).execute()
+    for cell, name, own in (
+        (nb.cells[1], "RankFailedError", "in helper"),
+        (nb.cells[2], "RankTimeoutError", "in hangs"),
+    ):
+        (err,) = [o for o in cell.outputs if o.output_type == "error"]
+        text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(err.traceback))
+        assert err.ename == name and text.startswith(name), text[:300]
+        assert own in text, text  # the worker's own frame
+        for internal in INTERNALS:
+            assert internal not in text, f"{internal} shown in {name}:\n{text}"

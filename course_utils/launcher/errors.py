@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 RED, RESET = "\x1b[0;31m", "\x1b[0m"
 
 

@@ -153,7 +153,7 @@ def dump_stacks(procs: dict, run_dir: Path, wait_s: float = 2.0) -> dict[int, st
 
 
 _INTERNAL = re.compile(
-    r'File "([^"]*(course_utils/launcher/|/multiprocessing/|/runpy\.py|/threading\.py)|<string>)"'
+    r'File "(<string>|[^"]*(course_utils/launcher/|/multiprocessing/|/runpy\.py|/threading\.py)[^"]*)"'
 )
 
 
