@@ -73,8 +73,7 @@ HINTS = {
         ".grad: count only the gradients that exist",
     },
     "optimizer": {
-        "an MLP with plain SGD": "plain SGD keeps no state; an entry of optimizer.state may be "
-        "None rather than a tensor",
+        "an MLP with plain SGD": "plain SGD keeps no state: optimizer.state is empty",
         "a model with a frozen layer, Adam": "the optimizer keeps state only for parameters that "
         "had a gradient at a step",
         "an MLP with SGD and momentum": "SGD with momentum keeps one buffer per parameter",

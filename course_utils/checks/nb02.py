@@ -26,7 +26,7 @@ def check_scatter_sizes(scatter_sizes) -> None:
         if len(got) > len(expected) or 0 in got:
             fail(
                 "02.1",
-                f"for {where}: torch.chunk never makes an empty chunk, so a small batch is split "
+                f"for {where}: torch.chunk never makes an empty chunk, so some batches are split "
                 "over fewer replicas than there are devices.",
             )
         fail(

@@ -39,10 +39,11 @@ def _ring_worker(ctx, ring_all_reduce, sizes, dtypes):
                     ]
                     if torch.equal(t, before):
                         hint = "t did not change: the ring works on t's chunks, in place"
-                    elif sum(chunks_ok) == 1:
+                    elif any(chunks_ok):
                         hint = (
-                            "one chunk is fully summed: after the reduce-scatter each rank owns one "
-                            "chunk, and the all-gather must carry those chunks around the ring"
+                            f"{sum(chunks_ok)} of {n} chunks are right: after the reduce-scatter each "
+                            "rank owns one fully summed chunk, and the all-gather must carry every "
+                            "chunk around the ring"
                         )
                     else:
                         hint = (
@@ -89,8 +90,9 @@ def _unused_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
     if rank_dependent:
         inner.rank = r
     model = wrapper_cls(inner, bucket_cap_mb=0.002)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    # momentum and weight decay: a zero gradient moves a parameter, no gradient does not
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
     data = torch.Generator().manual_seed(1)
     for step in range(1, steps + 1):
         x = torch.randn(16, 16, generator=data, dtype=torch.float64).to(ctx.device)
@@ -109,12 +111,22 @@ def _unused_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
         for (name, p), q in zip(inner.named_parameters(), reference.parameters()):
             diff = (p - q).abs().max().item()
             if diff > 1e-12:
+                if q.grad is None and p.grad is not None:
+                    hint = (
+                        "no rank used it, so one process leaves its .grad None; a zero gradient "
+                        "still moves it under momentum and weight decay. Use the per-parameter "
+                        "counts to leave .grad None where no rank had one"
+                    )
+                else:
+                    hint = (
+                        "a bucket that holds a parameter without a gradient never completes, so "
+                        "its hook never launches it (nor any bucket after it): launch every bucket "
+                        "still waiting in finish_gradient_synchronization, in bucket order, with "
+                        "zeros for the missing gradients"
+                    )
                 raise ExerciseError(
                     f"exercise 03.2: after step {step}, rank {r}'s {name} differs from one process "
-                    f"by {diff:.1e} ({type(inner).__name__}). A bucket that holds a parameter "
-                    "without a gradient never completes, so its hook never launches it: launch "
-                    "every bucket still waiting in finish_gradient_synchronization, in bucket "
-                    "order, counting a missing gradient as zero."
+                    f"by {diff:.1e} ({type(inner).__name__}): {hint}."
                 )
     return True
 

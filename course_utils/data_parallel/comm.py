@@ -5,7 +5,7 @@
 - :func:`broadcast_parameters`: copy rank 0's parameters and buffers to every rank (``broadcast``).
 - :func:`broadcast_buffers`: copy rank 0's buffers only.
 - :func:`all_reduce_async`: start the sum of a bucket over ranks (``all_reduce``, ring:
-  each rank sends and receives ``2(N-1)/N`` of the buffer), returning a handle to wait on.
+  each of n ranks sends and receives ``2(n-1)/n`` of the buffer), returning a handle to wait on.
 """
 
 from __future__ import annotations

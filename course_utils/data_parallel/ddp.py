@@ -13,8 +13,8 @@ of buffers (BatchNorm's running statistics) from rank 0; unlike torch DDP's defa
 ``broadcast_buffers=True``, buffers are not re-sent before every forward. Every step, each
 bucket of gradients is summed with one ``all_reduce`` as soon as backward has produced all its
 gradients, then divided by the world size. The order is reverse registration order, which is
-roughly the order backward produces them. Ring all-reduce moves ``2(N-1)/N`` times the gradient
-bytes per rank per step.
+roughly the order backward produces them. Ring all-reduce moves ``2(n-1)/n`` times the gradient
+bytes per rank per step, on ``n`` ranks.
 
 Parameters that need special care:
 - **frozen** (``requires_grad=False``): never in a bucket, never communicated;

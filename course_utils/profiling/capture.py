@@ -8,9 +8,11 @@ same worker runs either way). Each rank writes one Kineto/Chrome trace::
     run_dir/traces/rank{r}.steps{a}-{b}.pt.trace.json      (Perfetto, chrome://tracing)
     run_dir/tensorboard/rank{r}.*.pt.trace.json             (TensorBoard's profiler layout)
 
-Clocks: ranks on one node share a clock. For several nodes, the first active
-step starts with a barrier and a ``course_utils::clock_marker`` event on every
-rank; :func:`course_utils.profiling.trace.align` lines the ranks up on it.
+Clocks: ranks on one node share a clock. For several nodes, every rank passes a
+barrier at the end of the last warm-up step and records a
+``course_utils::clock_marker`` event as the first active step begins;
+:func:`course_utils.profiling.trace.align` lines the ranks up on it. The
+barrier's wait falls in the warm-up step, so no recorded step pays for it.
 Taught in notebook 04.
 """
 
@@ -102,9 +104,12 @@ class RankProfiler:
                 self.path, tb_dir / f"rank{self.rank}.{int(time.time() * 1000)}.pt.trace.json"
             )
 
+    def _aligning(self) -> bool:
+        return self.config.align_clocks and dist.is_available() and dist.is_initialized()
+
     def _marker(self) -> None:
-        if self.config.align_clocks and dist.is_available() and dist.is_initialized():
-            dist.barrier()
+        """A zero-length event every rank records right after the same barrier."""
+        if self._aligning():
             with record_function(MARKER):
                 pass
 
@@ -112,12 +117,16 @@ class RankProfiler:
         warnings.filterwarnings(
             "ignore", message=".*Profiler clears events at the end of each cycle.*"
         )
+        if self.first_active == 0 and self._aligning():
+            dist.barrier()  # before recording starts: the wait is not part of step 0
         self.prof.__enter__()
         if self.first_active == 0:
             self._marker()
         return self
 
     def step(self) -> None:
+        if self.steps + 1 == self.first_active and self._aligning():
+            dist.barrier()  # still in the warm-up step: the first recorded step does not pay it
         self.prof.step()
         self.steps += 1
         if self.steps == self.first_active:
