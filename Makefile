@@ -1,6 +1,6 @@
 # The course's commands. `make help` lists them.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 KERNEL := distributed-course
@@ -10,11 +10,13 @@ KSPEC  := $(VENV)/share/jupyter/kernels/$(KERNEL)/kernel.json
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export JUPYTER_PATH := $(CURDIR)/$(VENV)/share/jupyter$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
 
-.PHONY: help setup lab update course student answers test test-fast lint format doctor clean
+.PHONY: help setup hub-env lab update course student answers test test-fast test-floor lint format doctor clean FORCE
 COPIES ?= student
 
 help:
 	@echo "make setup   create .venv from requirements.txt, install course_utils, register the '$(KERNEL)' kernel"
+	@echo "             TORCH_INDEX=<url> another torch build (cpu, cuXXX, rocmX.Y); USE_SYSTEM_TORCH=1 the site's torch"
+	@echo "make hub-env PREFIX=<dir> [KERNEL_PREFIX=/usr/local] one shared environment and kernel for every hub user"
 	@echo "make lab     open JupyterLab on your working copies in work/ (COPIES=answers for an instructor)"
 	@echo "make update  after git pull: refresh work/ (notebooks you edited are kept, new version beside)"
 	@echo "make course  execute every notebook headless into build/ (ipynb + html) with a timing table"
@@ -26,13 +28,30 @@ help:
 
 setup: $(STAMP) $(KSPEC)
 
-$(STAMP): requirements.txt pyproject.toml
+# How torch is installed (scripts/setup_env.py says more): from requirements.txt (default), from a
+# PyTorch index (TORCH_INDEX=<url>, TORCH_PINS="torch==X torchvision==Y" for other versions), or
+# the torch the site's module already provides (USE_SYSTEM_TORCH=1). The venv remembers its choice;
+# giving one of these variables again rebuilds it if the choice changed.
+TORCH_ARGS := $(if $(TORCH_INDEX),--torch-index '$(TORCH_INDEX)') $(if $(TORCH_PINS),--torch-pins '$(TORCH_PINS)') \
+              $(if $(filter 1 yes true,$(USE_SYSTEM_TORCH)),--system-torch)
+ifneq ($(strip $(TORCH_ARGS)),)
+$(STAMP): FORCE
+endif
+FORCE:
+
+$(STAMP): requirements.txt pyproject.toml scripts/setup_env.py
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python >= 3.10 is needed, found " + sys.version.split()[0]'
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . || \
-	  $(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	$(PYTHON) scripts/setup_env.py --venv $(VENV) --python $(PYTHON) $(TORCH_ARGS)
 	touch $(STAMP)
+
+# One environment for every user of a JupyterHub, built once by an instructor; students install
+# nothing. KERNEL_PREFIX is where the hub's Jupyter looks for kernels (/usr/local, /usr, or the
+# prefix of the hub's own environment); DATA_DIR a shared dataset folder.
+KERNEL_PREFIX ?= /usr/local
+hub-env:
+	@test -n "$(PREFIX)" || { echo "usage: make hub-env PREFIX=/shared/distributed-course [KERNEL_PREFIX=/usr/local] [DATA_DIR=...] [USE_SYSTEM_TORCH=1]"; exit 2; }
+	$(PYTHON) scripts/setup_env.py --venv $(PREFIX)/venv --python $(PYTHON) --hub \
+	  --kernel-prefix $(KERNEL_PREFIX) $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(TORCH_ARGS)
 
 # The kernel every notebook names. Inside the venv for make lab / test / course; with --user too,
 # so that a JupyterHub's own Jupyter server offers it to this user.
@@ -61,6 +80,12 @@ test: setup
 
 test-fast: setup
 	COURSE_SIZE=ci $(PY) -m pytest tests -m "not slow and not notebook"
+
+# The non-notebook tests on the oldest torch the course supports (CI runs this too).
+FLOOR_VENV ?= .venv-floor
+test-floor:
+	$(PYTHON) scripts/setup_env.py --venv $(FLOOR_VENV) --python $(PYTHON) --torch-pins "$$($(PYTHON) scripts/setup_env.py --print-floor)"
+	COURSE_SIZE=ci COURSE_CHECK_DEVICES=1 $(FLOOR_VENV)/bin/python -m pytest tests -m "not slow and not notebook" -p no:cacheprovider
 
 lint: setup
 	$(PY) -m ruff check .

@@ -16,7 +16,19 @@ import sys
 import time
 from pathlib import Path
 
-NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+
+def _notebook_dir() -> Path:
+    """The course's notebooks: ``$COURSE_NOTEBOOKS``, else the checkout's ``notebooks/``, else
+    the copy a shared hub environment keeps in ``<venv>/share/distributed-course/notebooks``."""
+    if os.environ.get("COURSE_NOTEBOOKS"):
+        return Path(os.environ["COURSE_NOTEBOOKS"])
+    checkout = Path(__file__).resolve().parents[1] / "notebooks"
+    if checkout.is_dir():
+        return checkout
+    return Path(sys.prefix) / "share" / "distributed-course" / "notebooks"
+
+
+NOTEBOOK_DIR = _notebook_dir()
 
 
 def find_notebooks(folder: Path | None = None, only: list[str] | None = None) -> list[Path]:

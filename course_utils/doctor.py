@@ -15,11 +15,14 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
+from .compat import FLOOR, TESTED, older_than_floor
 from .data import DATASETS, data_root, load_dataset
+from .gpu_diagnosis import Diagnosis, diagnose, gather
 from .launcher import launch
 from .launcher.rundir import runs_root
 from .sizes import get_size
@@ -42,15 +45,16 @@ def _gpus() -> list[dict]:
     return out
 
 
-def _topology() -> str | None:
-    if not shutil.which("nvidia-smi"):
+def _topology(rocm: bool) -> tuple[str, str] | None:
+    """(command, output): ``nvidia-smi topo -m``, or ``rocm-smi --showtopo`` on ROCm."""
+    cmd = ["rocm-smi", "--showtopo"] if rocm else ["nvidia-smi", "topo", "-m"]
+    if not shutil.which(cmd[0]):
         return None
     try:
-        return subprocess.run(
-            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20
-        ).stdout.strip()
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
     except (subprocess.SubprocessError, OSError) as e:
-        return f"nvidia-smi topo -m failed: {e}"
+        out = f"failed: {e}"
+    return " ".join(cmd), out
 
 
 def _check_backend(backend: str, world_size: int) -> dict:
@@ -82,9 +86,12 @@ def collect(run_checks: bool = True) -> dict:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count()
-    nccl = None
+    hip = getattr(torch.version, "hip", None)
+    nccl = None  # on a ROCm build, torch.cuda.nccl is RCCL
     if torch.cuda.is_available() and dist.is_nccl_available():
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    diagnosis = diagnose(gather())
+    topo = _topology(rocm=bool(hip) or diagnosis.vendor == "amd")
     try:
         import torchvision
 
@@ -97,10 +104,14 @@ def collect(run_checks: bool = True) -> dict:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torchvision": tv,
+        "torch_floor": FLOOR,
+        "torch_tested": TESTED,
         "cuda_runtime": torch.version.cuda,
+        "hip_runtime": hip,
         "nccl": nccl,
         "gpus": gpus,
-        "interconnect": _topology(),
+        "gpu_check": asdict(diagnosis),
+        "interconnect": topo,
         "cpu_cores": cores,
         "backends": {
             "gloo": dist.is_gloo_available(),
@@ -129,12 +140,22 @@ def collect(run_checks: bool = True) -> dict:
 
 def render(info: dict) -> str:
     """The report as a person reads it."""
+    if info.get("hip_runtime"):
+        runtime = f"ROCm/HIP {info['hip_runtime']}, RCCL {info['nccl'] or '-'}"
+    else:
+        runtime = f"CUDA runtime {info['cuda_runtime'] or '-'}, NCCL {info['nccl'] or '-'}"
     lines = [
         f"Python {info['python']} on {info['platform']}",
-        f"torch {info['torch']}, torchvision {info['torchvision']}, CUDA runtime {info['cuda_runtime'] or '-'}, "
-        f"NCCL {info['nccl'] or '-'}",
-        f"CPU cores usable: {info['cpu_cores']}",
+        f"torch {info['torch']}, torchvision {info['torchvision']}, {runtime}",
+        f"  the course needs torch >= {info['torch_floor']} (tested with {info['torch_floor']} "
+        f"and {info['torch_tested']})",
     ]
+    if older_than_floor(info["torch"]):
+        lines.append(
+            f"  WARNING: torch {info['torch']} is older than the course's floor; "
+            "run `make setup` for the tested version"
+        )
+    lines.append(f"CPU cores usable: {info['cpu_cores']}")
     if info["gpus"]:
         lines.append(f"GPUs: {len(info['gpus'])}")
         lines += [
@@ -143,11 +164,10 @@ def render(info: dict) -> str:
         ]
     else:
         lines.append("GPUs: none visible. Multi-rank notebooks run as CPU processes with gloo.")
+    lines += Diagnosis(**info["gpu_check"]).render()
     if info["interconnect"]:
-        lines += [
-            "GPU interconnect (nvidia-smi topo -m):",
-            *("  " + ln for ln in info["interconnect"].splitlines()),
-        ]
+        cmd, out = info["interconnect"]
+        lines += [f"GPU interconnect ({cmd}):", *("  " + ln for ln in out.splitlines())]
     lines.append("Backends compiled in: " + ", ".join(k for k, v in info["backends"].items() if v))
     for backend, check in info["checks"].items():
         lines.append(
@@ -169,7 +189,8 @@ def main(as_json: bool = False, run_checks: bool = True) -> int:
     info = collect(run_checks)
     print(json.dumps(info, indent=2) if as_json else render(info))
     failed = [b for b, c in info["checks"].items() if c["all_reduce"] != "ok"]
-    return 1 if failed else 0
+    gpu = info["gpu_check"]
+    return 1 if failed or (gpu["vendor"] and not gpu["usable"]) else 0
 
 
 __all__ = ["collect", "render", "main"]

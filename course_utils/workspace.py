@@ -54,7 +54,13 @@ def prepare(work: str | Path, kind: str = "student", src: str | Path | None = No
     manifest_path = work / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     changes = []
-    for path in find_notebooks(Path(src) if src else NOTEBOOK_DIR):
+    found = find_notebooks(Path(src) if src else NOTEBOOK_DIR)
+    if not found:
+        raise FileNotFoundError(
+            f"no course notebooks in {Path(src) if src else NOTEBOOK_DIR}; set COURSE_NOTEBOOKS "
+            "to the folder that holds 01_single_gpu.ipynb ..."
+        )
+    for path in found:
         fresh = copy(nbformat.read(path, as_version=4), path.stem, kind)
         new_digest = cells_digest(fresh)
         target = work / path.name

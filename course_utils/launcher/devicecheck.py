@@ -43,15 +43,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..compat import tensor_factories
+
 ENV = "COURSE_CHECK_DEVICES"
 
-try:  # the functions torch.set_default_device redirects: every tensor factory taking device=
-    from torch.utils._device import _device_constructors
-
-    FACTORIES = set(_device_constructors())
-except ImportError:  # pragma: no cover - older torch
-    FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn}
-    FACTORIES |= {torch.randint, torch.arange, torch.tensor, torch.as_tensor, torch.eye}
+FACTORIES = tensor_factories()
 ALWAYS_CPU = {torch.from_numpy, torch.frombuffer}
 LIKE = {
     torch.empty_like,

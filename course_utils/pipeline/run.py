@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..compat import pipeline_losses, pipeline_schedule, pipelining_unsupported
 from .partition import boundary_shapes, check_sequential, partition
 from .schedules import RUNTIME_SCHEDULES, StageRunner, train_step
 
@@ -84,8 +85,8 @@ def _torch_step(stages, schedule: str, m: int, x, y, loss_fn, first: bool, last:
         "torch_1f1b": Schedule1F1B,
         "torch_interleaved": ScheduleInterleaved1F1B,
     }[schedule]
-    sched = cls(
-        stages if schedule == "torch_interleaved" else stages[0], n_microbatches=m, loss_fn=loss_fn
+    sched = pipeline_schedule(
+        cls, stages if schedule == "torch_interleaved" else stages[0], m, loss_fn
     )
     losses: list = []
     if first and last:
@@ -96,7 +97,7 @@ def _torch_step(stages, schedule: str, m: int, x, y, loss_fn, first: bool, last:
         sched.step(target=y, losses=losses)
     else:
         sched.step()
-    return [loss.item() for loss in losses]
+    return pipeline_losses(sched, losses)
 
 
 def pipeline_worker(
@@ -213,9 +214,15 @@ def run_pipeline(
     ``world_size``, when given, must equal ``p``: one stage per rank.
     """
     from ..launcher import launch
+    from ..launcher.api import resolve_backend
 
     check_pipeline(make_model, p, m, global_batch, v, schedule, world_size)
     kwargs = {"timeout": 300, "echo": False, **(launch_kwargs or {})}
+    if schedule in TORCH_SCHEDULES:
+        backend, _ = resolve_backend(p, kwargs.get("backend", "auto"), kwargs.get("device", "auto"))
+        why = pipelining_unsupported(schedule.removeprefix("torch_"), backend)
+        if why:
+            raise RuntimeError(why)
     return launch(
         pipeline_worker,
         p,
