@@ -1,5 +1,8 @@
 # The course's commands. `make help` lists them.
 PYTHON ?= python3
+# The Python environments are made from, found before this file puts .venv/bin first on PATH
+# (a `module load` Python, say; never the checkout's own venv).
+BASE_PYTHON := $(shell command -v $(PYTHON) 2>/dev/null || echo $(PYTHON))
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
@@ -10,7 +13,7 @@ KSPEC  := $(VENV)/share/jupyter/kernels/$(KERNEL)/kernel.json
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export JUPYTER_PATH := $(CURDIR)/$(VENV)/share/jupyter$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
 
-.PHONY: help setup hub-env lab update course student answers test test-fast test-floor lint format doctor clean FORCE
+.PHONY: help setup hub-env lab update course student answers test test-fast test-floor test-contended lint format doctor clean FORCE
 COPIES ?= student
 
 help:
@@ -33,15 +36,16 @@ setup: $(STAMP) $(KSPEC)
 # the torch the site's module already provides (USE_SYSTEM_TORCH=1). The venv remembers its choice;
 # giving one of these variables again rebuilds it if the choice changed.
 TORCH_ARGS := $(if $(TORCH_INDEX),--torch-index '$(TORCH_INDEX)') $(if $(TORCH_PINS),--torch-pins '$(TORCH_PINS)') \
-              $(if $(filter 1 yes true,$(USE_SYSTEM_TORCH)),--system-torch)
+              $(if $(filter 1 yes true,$(USE_SYSTEM_TORCH)),--system-torch) \
+              $(if $(filter 0 no false,$(USE_SYSTEM_TORCH)),--default-torch)
 ifneq ($(strip $(TORCH_ARGS)),)
 $(STAMP): FORCE
 endif
 FORCE:
 
 $(STAMP): requirements.txt pyproject.toml scripts/setup_env.py
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python >= 3.10 is needed, found " + sys.version.split()[0]'
-	$(PYTHON) scripts/setup_env.py --venv $(VENV) --python $(PYTHON) $(TORCH_ARGS)
+	@$(BASE_PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python >= 3.10 is needed, found " + sys.version.split()[0]'
+	$(BASE_PYTHON) scripts/setup_env.py --venv $(VENV) --python $(BASE_PYTHON) $(TORCH_ARGS)
 	touch $(STAMP)
 
 # One environment for every user of a JupyterHub, built once by an instructor; students install
@@ -50,7 +54,7 @@ $(STAMP): requirements.txt pyproject.toml scripts/setup_env.py
 KERNEL_PREFIX ?= /usr/local
 hub-env:
 	@test -n "$(PREFIX)" || { echo "usage: make hub-env PREFIX=/shared/distributed-course [KERNEL_PREFIX=/usr/local] [DATA_DIR=...] [USE_SYSTEM_TORCH=1]"; exit 2; }
-	$(PYTHON) scripts/setup_env.py --venv $(PREFIX)/venv --python $(PYTHON) --hub \
+	$(BASE_PYTHON) scripts/setup_env.py --venv $(PREFIX)/venv --python $(BASE_PYTHON) --hub \
 	  --kernel-prefix $(KERNEL_PREFIX) $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(TORCH_ARGS)
 
 # The kernel every notebook names. Inside the venv for make lab / test / course; with --user too,
@@ -76,7 +80,11 @@ answers: setup
 	$(PY) -m course_utils copies --kind answers --out build/answers
 
 test: setup
-	COURSE_SIZE=$${COURSE_SIZE:-ci} COURSE_CHECK_DEVICES=1 $(PY) -m pytest tests notebooks --nbval-lax --nbval-cell-timeout=600
+	COURSE_SIZE=$${COURSE_SIZE:-ci} COURSE_CHECK_DEVICES=1 $(PY) -m pytest tests notebooks -m "not contended" --nbval-lax --nbval-cell-timeout=600
+
+# Every notebook at the ci size while two busy loops hold the cores (a shared node); see README.
+test-contended: setup
+	COURSE_CHECK_DEVICES=1 $(PY) -m pytest tests/test_notebooks_contended.py -m contended
 
 test-fast: setup
 	COURSE_SIZE=ci $(PY) -m pytest tests -m "not slow and not notebook"
@@ -84,7 +92,7 @@ test-fast: setup
 # The non-notebook tests on the oldest torch the course supports (CI runs this too).
 FLOOR_VENV ?= .venv-floor
 test-floor:
-	$(PYTHON) scripts/setup_env.py --venv $(FLOOR_VENV) --python $(PYTHON) --torch-pins "$$($(PYTHON) scripts/setup_env.py --print-floor)"
+	$(BASE_PYTHON) scripts/setup_env.py --venv $(FLOOR_VENV) --python $(BASE_PYTHON) --torch-pins "$$($(BASE_PYTHON) scripts/setup_env.py --print-floor)"
 	COURSE_SIZE=ci COURSE_CHECK_DEVICES=1 $(FLOOR_VENV)/bin/python -m pytest tests -m "not slow and not notebook" -p no:cacheprovider
 
 lint: setup

@@ -82,6 +82,8 @@ def _check_backend(backend: str, world_size: int) -> dict:
 
 def collect(run_checks: bool = True) -> dict:
     """Everything the doctor reports, as a dict (``--json`` prints it as is)."""
+    # first, before anything touches torch.cuda: torch warns why CUDA is unusable only once
+    diagnosis = diagnose(gather())
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -90,7 +92,6 @@ def collect(run_checks: bool = True) -> dict:
     nccl = None  # on a ROCm build, torch.cuda.nccl is RCCL
     if torch.cuda.is_available() and dist.is_nccl_available():
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    diagnosis = diagnose(gather())
     topo = _topology(rocm=bool(hip) or diagnosis.vendor == "amd")
     try:
         import torchvision

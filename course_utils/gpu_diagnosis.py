@@ -104,8 +104,13 @@ def _hidden(visible: dict[str, str]) -> str | None:
     return None
 
 
+# PyTorch's CUDA 11.8 builds stop before the pinned 2.14.1: name the last release that has them.
+INDEX_PINS = {"cu118": "torch==2.7.1 torchvision==0.22.1"}
+
+
 def _setup(index: str) -> str:
-    return f"make setup TORCH_INDEX={INDEX}/{index}"
+    pins = f' TORCH_PINS="{INDEX_PINS[index]}"' if index in INDEX_PINS else ""
+    return f"make setup TORCH_INDEX={INDEX}/{index}{pins}"
 
 
 def diagnose(p: Probe) -> Diagnosis:
@@ -113,7 +118,8 @@ def diagnose(p: Probe) -> Diagnosis:
     nv_nodes = [d for d in p.dev_nodes if re.fullmatch(r"/dev/nvidia\d+", d)]
     amd_gpus = parse_rocm_smi(p.rocm_smi) if p.rocm_smi else []
     amd = bool(amd_gpus) or "/dev/kfd" in p.dev_nodes
-    nvidia = bool(nv and nv["gpus"]) or bool(nv_nodes) or p.nvidia_smi_failed
+    # a failing nvidia-smi alone is no GPU: login nodes and CPU images often have the tool only
+    nvidia = bool(nv and nv["gpus"]) or bool(nv_nodes)
     if not nvidia and not amd:
         if p.cuda_available and p.device_count:  # a GPU no tool here can see: trust torch
             return Diagnosis("amd" if p.torch_hip else "nvidia", p.device_count, True)
@@ -137,22 +143,22 @@ def diagnose(p: Probe) -> Diagnosis:
     if vendor == "nvidia":
         driver_cuda = _major_minor(nv["cuda"]) if nv else None
         index = CUDA_INDEX.get(driver_cuda[0], "cu126") if driver_cuda else "cu126"
-        if p.torch_cuda is None:
-            kind = f"a ROCm (AMD) build, ROCm {p.torch_hip}" if p.torch_hip else "a CPU-only build"
-            d.problem = f"this torch {p.torch_version} is {kind}; it cannot drive NVIDIA GPUs."
-            d.fix = _setup(index)
-            return d
-        if p.nvidia_smi_failed or (nv is None and nv_nodes):
+        if p.nvidia_smi_failed:  # device files, but the driver does not answer
             said = (p.nvidia_smi or "").strip().splitlines()
             d.problem = (
                 "the NVIDIA driver does not answer"
-                + (f" (nvidia-smi: {said[0]})" if said else " (no nvidia-smi; device files only)")
+                + (f" (nvidia-smi: {said[0]})" if said else "")
                 + (f"; torch says: {p.cuda_warning}" if p.cuda_warning else "")
             )
             d.fix = (
                 "not a course set-up problem: run on a node whose driver is loaded (on a "
                 "cluster, a GPU job: srun --gpus=1 ...), or ask the administrators"
             )
+            return d
+        if p.torch_cuda is None:
+            kind = f"a ROCm (AMD) build, ROCm {p.torch_hip}" if p.torch_hip else "a CPU-only build"
+            d.problem = f"this torch {p.torch_version} is {kind}; it cannot drive NVIDIA GPUs."
+            d.fix = _setup(index)
             return d
         torch_cuda = _major_minor(p.torch_cuda)
         if driver_cuda and torch_cuda and driver_cuda[0] < torch_cuda[0]:
@@ -171,7 +177,11 @@ def diagnose(p: Probe) -> Diagnosis:
     rocm = _major_minor(p.rocm_version)
     index = f"rocm{rocm[0]}.{rocm[1]}" if rocm else "rocmX.Y"
     fix = _setup(index) + (
-        "" if rocm else "   (X.Y: the node's ROCm release, `cat /opt/rocm/.info/version`)"
+        "   (or the nearest ROCm index pytorch.org lists for this torch version; its wheels carry "
+        "their own ROCm libraries)"
+        if rocm
+        else "   (X.Y: the node's ROCm release, `cat /opt/rocm/.info/version`, or the nearest "
+        "ROCm index pytorch.org lists)"
     )
     if p.torch_hip is None:
         kind = f"a CUDA (NVIDIA) build, CUDA {p.torch_cuda}" if p.torch_cuda else "a CPU-only build"
@@ -185,7 +195,8 @@ def diagnose(p: Probe) -> Diagnosis:
     hip = _major_minor(p.torch_hip)
     if rocm and hip and rocm[0] != hip[0]:
         d.problem = (
-            f"this torch is built for ROCm {p.torch_hip}; the node has ROCm {p.rocm_version}."
+            f"this torch is built for ROCm {p.torch_hip}; the node has ROCm {p.rocm_version}, "
+            "a major release apart: its kernel driver may not serve this torch's runtime."
         )
         d.fix = fix
         return d

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -113,18 +114,29 @@ def prepare_venv(args, venv: Path) -> Path:
     """Create the venv, or rebuild it when it was made for another torch build.
 
     With no torch option given, an existing venv keeps the build it was made with: a later
-    ``make lab`` on a site-torch checkout must not turn it into a 6 GB private install.
+    ``make lab`` on a site-torch checkout must not turn it into a 6 GB private install. The choice
+    is saved as soon as the venv exists, so that a set-up that fails half-way keeps it too. Only a
+    venv this script made (or the checkout's own ``.venv``) is ever deleted for a rebuild.
     """
     cfg = venv / CONFIG
     if (venv / "pyvenv.cfg").exists():
-        have = json.loads(cfg.read_text()) if cfg.exists() else config_of(argparse.Namespace())
-        asked = any(getattr(args, k) for k in TORCH_KEYS)
+        if cfg.exists():
+            have = json.loads(cfg.read_text())
+        else:  # made before choices were saved: a venv that sees the system's packages chose them
+            system = "include-system-site-packages = true" in (venv / "pyvenv.cfg").read_text()
+            have = config_of(argparse.Namespace(system_torch=system))
+        asked = args.default_torch or any(getattr(args, k) for k in TORCH_KEYS)
         if not asked:
             for k in TORCH_KEYS:
                 setattr(args, k, have[k])
         want = config_of(args)
         if have == want and venv_python(venv).exists():
             return venv_python(venv)
+        if not cfg.exists() and venv.resolve() != (ROOT / ".venv").resolve():
+            raise SetupError(
+                f"{venv} is a venv this set-up did not make; it is left as it is. Remove it "
+                "yourself, or choose another VENV / PREFIX."
+            )
         print(f"setup: {venv} was built for {have}; rebuilding it for {want}", flush=True)
         shutil.rmtree(venv)
     elif venv.exists() and any(venv.iterdir()):
@@ -133,6 +145,7 @@ def prepare_venv(args, venv: Path) -> Path:
     if args.system_torch:
         cmd.insert(3, "--system-site-packages")
     run(cmd)
+    cfg.write_text(json.dumps(config_of(args), indent=1) + "\n")
     return venv_python(venv)
 
 
@@ -162,7 +175,11 @@ def install_torch(args, py: Path) -> tuple[str, str]:
             # --no-deps: torchvision's dependency on torch must not pull a second torch
             pip(py, "--no-deps", *extra, spec, "pillow")
             try:
-                probe(py, "import torchvision.ops; torchvision.ops.nms")
+                probe(
+                    py,
+                    "import torch, torchvision; "
+                    "torch.ops.torchvision.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)",
+                )
             except SetupError as e:
                 raise SetupError(
                     f"installed {spec} beside the site's torch {version}, but it does not load "
@@ -204,8 +221,8 @@ def older(have: str, floor: str) -> bool:
     return parts(have) < parts(floor)
 
 
-def missing_only(py: Path, requirements: list[str]) -> list[str]:
-    """The requirements this Python lacks, or has below the course's range; the rest are kept."""
+def missing_only(py: Path, requirements: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(the requirements this Python lacks or has below the course's range, {kept: version})."""
     names = [re.split(r"[=<>!~\[; ]", r, maxsplit=1)[0] for r in requirements]
     code = (
         "import importlib.metadata as m, json, sys\n"
@@ -218,7 +235,7 @@ def missing_only(py: Path, requirements: list[str]) -> list[str]:
     r = subprocess.run([str(py), "-c", code, *names], capture_output=True, text=True, check=True)
     have = json.loads(r.stdout)
     floors = minimum_versions(ROOT / "pyproject.toml")
-    todo = []
+    todo, kept = [], {}
     for req, n in zip(requirements, names):
         if n not in have:
             todo.append(req)
@@ -229,19 +246,23 @@ def missing_only(py: Path, requirements: list[str]) -> list[str]:
             todo.append(req)
         else:
             print(f"setup: keeping the site's {n} {have[n]}", flush=True)
-    return todo
+            kept[n] = have[n]
+    return todo, kept
 
 
 def install_rest(args, py: Path, torch_found: tuple[str, str]) -> None:
     _, rest = read_requirements(args.requirements)
+    kept: dict[str, str] = {}
     if args.system_torch:
-        rest = missing_only(py, rest)
+        rest, kept = missing_only(py, rest)
         if not rest:
             return
     tv = probe(py, "import importlib.metadata as m; print(m.version('torchvision'))")
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        # Whatever the other packages ask for, torch stays the one just installed or found.
-        f.write(f"torch=={torch_found[0]}\ntorchvision=={tv}\n")
+        # Whatever the other packages ask for, torch stays the one just installed or found, and
+        # the site's own packages stay the site's (a dependency may not upgrade them).
+        pins = {"torch": torch_found[0], "torchvision": tv} | kept
+        f.write("".join(f"{n}=={v}\n" for n, v in pins.items()))
         constraints = f.name
     try:
         pip(py, "--quiet", "-c", constraints, *rest)
@@ -293,9 +314,17 @@ def hub_install(args, py: Path) -> None:
     env = {}
     if args.system_torch:
         # a hub starts kernels without `module load`: keep what the module set
+        home = str(Path.home())
         for var in ("PYTHONPATH", "LD_LIBRARY_PATH"):
             if os.environ.get(var):
                 env[var] = os.environ[var]
+                personal = [e for e in env[var].split(os.pathsep) if e.startswith(home)]
+                if personal:
+                    print(
+                        f"setup: WARNING: {var} holds folders in your home ({', '.join(personal)}); "
+                        "every student's kernel will read them. Build from a clean `module load`.",
+                        file=sys.stderr,
+                    )
     if args.data_dir:
         env["COURSE_DATA_DIR"] = str(Path(args.data_dir).resolve())
     cmd = [
@@ -312,9 +341,25 @@ def hub_install(args, py: Path) -> None:
     for k, v in env.items():
         cmd += ["--env", k, v]
     run(cmd, stdout=subprocess.DEVNULL)
+    # The command students run in a terminal, with the same environment as the kernel.
+    prefix = args.venv.parent
+    (prefix / "bin").mkdir(exist_ok=True)
+    wrapper = prefix / "bin" / "course-utils"
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+    wrapper.write_text(
+        f"#!/bin/sh\n# the course's command, in the shared kernel's environment\n{exports}"
+        f'exec {shlex.quote(str(args.venv / "bin" / "course-utils"))} "$@"\n'
+    )
     kernel_dir = Path(args.kernel_prefix) / "share" / "jupyter" / "kernels" / KERNEL
-    for top in (args.venv, kernel_dir):
+    for top in (args.venv, prefix / "bin", kernel_dir):
         run(["chmod", "-R", "a+rX", str(top)])
+    wrapper.chmod(0o755)
+    for d in [prefix, *(kernel_dir.parents[i] for i in range(3))]:  # kernels/, jupyter/, share/
+        if d.stat().st_mode & 0o005 != 0o005:
+            try:
+                d.chmod(d.stat().st_mode | 0o055)
+            except PermissionError:
+                print(f"setup: WARNING: other users cannot read {d}; make it a+rx", file=sys.stderr)
     blocked = others_can_run(Path(os.path.realpath(py)))
     if blocked:
         print(
@@ -326,9 +371,10 @@ def hub_install(args, py: Path) -> None:
     print(
         f"\nShared environment ready: {args.venv}\n"
         f"Kernel '{KERNEL_DISPLAY}' for every user: {kernel_dir}\n"
+        f"Command for students and for you: {wrapper} (doctor, workspace, course, data)\n"
         f"Notebooks: {share}\n"
         "Each student makes their own working copies once, from a terminal in JupyterLab:\n"
-        f"    {args.venv}/bin/course-utils workspace --dir ~/distributed-course\n",
+        f"    {wrapper} workspace --dir ~/distributed-course\n",
         flush=True,
     )
 
@@ -341,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-index", default=os.environ.get("TORCH_INDEX") or None)
     ap.add_argument("--torch-pins", default=os.environ.get("TORCH_PINS") or None)
     ap.add_argument("--system-torch", action="store_true")
+    ap.add_argument(
+        "--default-torch", action="store_true", help="back to requirements.txt's torch from PyPI"
+    )
     ap.add_argument("--no-editable", action="store_true", help="copy course_utils (a shared hub)")
     ap.add_argument("--hub", action="store_true", help="a shared environment for every hub user")
     ap.add_argument("--kernel-prefix", default="/usr/local", help="where the hub looks for kernels")
@@ -353,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     args.venv = args.venv.absolute()
     if args.hub:
         args.no_editable = True
+    if args.default_torch and (args.system_torch or args.torch_index or args.torch_pins):
+        ap.error("USE_SYSTEM_TORCH=0 asks for the default torch: drop TORCH_INDEX / TORCH_PINS")
     if args.system_torch and args.torch_pins:
         ap.error("USE_SYSTEM_TORCH=1 uses the site's torch; TORCH_PINS does not apply")
     try:
@@ -368,7 +419,6 @@ def main(argv: list[str] | None = None) -> int:
     except subprocess.CalledProcessError as e:
         print(f"setup: a command failed ({e}); see its output above", file=sys.stderr)
         return 2
-    (args.venv / CONFIG).write_text(json.dumps(config_of(args), indent=1) + "\n")
     print(f"setup: torch {found[0]} from {found[1]}", flush=True)
     return 0
 

@@ -62,12 +62,26 @@ def test_driver_older_than_torchs_cuda():
     assert d.fix.startswith("make setup TORCH_INDEX=https://download.pytorch.org/whl/cu126")
 
 
-def test_cuda_11_driver_gets_the_cu118_index():
+def test_cuda_11_driver_gets_the_cu118_index_with_a_release_it_has():
     d = diagnose(
         nvidia("nvidia-smi-470-v100x4.txt", torch_version="2.14.1+cu126", torch_cuda="12.6")
     )
     assert d.gpus == 4 and "supports CUDA up to 11.4" in d.problem
-    assert "whl/cu118" in d.fix
+    assert d.fix.startswith(
+        'make setup TORCH_INDEX=https://download.pytorch.org/whl/cu118 TORCH_PINS="torch==2.7.1'
+    )
+
+
+def test_a_failing_nvidia_smi_without_gpus_is_no_gpu():
+    # a login node or a CPU image: the tool is installed, no device files, a CPU torch
+    probe = nvidia("nvidia-smi-no-driver.txt", nvidia_smi_failed=True, dev_nodes=[])
+    probe.torch_cuda = None
+    assert diagnose(probe) == Diagnosis(None, 0, False)
+
+
+def test_driver_problem_comes_before_the_build():
+    d = diagnose(nvidia("nvidia-smi-no-driver.txt", nvidia_smi_failed=True, torch_cuda=None))
+    assert "driver does not answer" in d.problem
 
 
 def test_cpu_only_torch_on_an_nvidia_node():

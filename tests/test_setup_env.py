@@ -127,6 +127,19 @@ def test_site_torch_older_than_the_floor_is_refused(tmp_path):
     r = build(tmp_path / "venv", "--system-torch", env=site_env(site), timeout=120)
     assert r.returncode == 2
     assert "the site's torch is 2.4.1+rocm6.1" in r.stderr and "needs torch >= 2.6" in r.stderr
+    # the failed set-up kept its choice: a later plain `make lab` must not fetch a private torch
+    again = build(tmp_path / "venv", env=site_env(site), timeout=120)
+    assert again.returncode == 2 and "the site's torch is 2.4.1" in again.stderr
+    assert "torch==" not in again.stdout
+
+
+def test_a_venv_it_did_not_make_is_never_deleted(tmp_path):
+    venv = tmp_path / "theirs"
+    subprocess.run([base_python(), "-m", "venv", "--without-pip", str(venv)], check=True)
+    (venv / "their-work.txt").write_text("keep me")
+    r = build(venv, "--torch-pins", "torch==2.6.0 torchvision==0.21.0", timeout=60)
+    assert r.returncode == 2 and "did not make" in r.stderr
+    assert (venv / "their-work.txt").read_text() == "keep me"
 
 
 def test_no_site_torch_says_to_load_the_module(tmp_path):
@@ -257,29 +270,35 @@ def test_hub_env_serves_every_user_from_one_place(site, tmp_path):
     assert shipped == sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     # readable and traversable by every user
     for p in [
-        venv / "bin" / "course-utils",
+        prefix,
+        prefix / "bin" / "course-utils",
         Path(where),
         kernels / "share/jupyter/kernels/distributed-course/kernel.json",
     ]:
         assert p.stat().st_mode & 0o004, p
+    assert (prefix / "bin" / "course-utils").stat().st_mode & 0o001
     # a student: working copies from the shipped notebooks, outside any checkout
     home = tmp_path / "student"
+    # in a terminal, without the module loaded: PREFIX/bin/course-utils brings its environment
+    bare = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     w = subprocess.run(
-        [str(venv / "bin" / "course-utils"), "workspace", "--dir", str(home / "distributed-course")],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+        [str(prefix / "bin" / "course-utils"), "workspace", "--dir", str(home / "distributed-course")],
+        capture_output=True, text=True, env=bare, cwd=tmp_path, timeout=120,
     )  # fmt: skip
     assert w.returncode == 0, w.stderr
     first = home / "distributed-course" / "01_single_gpu.ipynb"
     assert "NotImplementedError" in first.read_text()  # the student copy, solutions removed
-    # the shared kernel runs the student's notebook's first code cells (found through KERNEL_PREFIX)
+    # the shared kernel runs the student's notebook's first code cells (found through KERNEL_PREFIX;
+    # the kernel brings the module's PYTHONPATH itself)
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(first, as_version=4)
     nb.cells = [c for c in nb.cells if c.cell_type == "code"][:2]
-    run_env = env | {"JUPYTER_PATH": str(kernels / "share/jupyter"), "COURSE_SIZE": "ci"}
+    run_env = bare | {"JUPYTER_PATH": str(kernels / "share/jupyter"), "COURSE_SIZE": "ci"}
     old = dict(os.environ)
     os.environ.update(run_env)
+    os.environ.pop("PYTHONPATH", None)
     try:
         NotebookClient(
             nb,
