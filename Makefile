@@ -80,7 +80,7 @@ answers: setup
 	$(PY) -m course_utils copies --kind answers --out build/answers
 
 test: setup
-	COURSE_SIZE=$${COURSE_SIZE:-ci} COURSE_CHECK_DEVICES=1 $(PY) -m pytest tests notebooks -m "not contended" --nbval-lax --nbval-cell-timeout=600
+	COURSE_SIZE=$${COURSE_SIZE:-ci} COURSE_CHECK_DEVICES=1 $(PY) -m pytest tests notebooks -m "not contended" --nbval-lax --nbval-cell-timeout=600 --durations=40
 
 # Every notebook at the ci size while two busy loops hold the cores (a shared node); see README.
 test-contended: setup
@@ -93,7 +93,7 @@ test-fast: setup
 FLOOR_VENV ?= .venv-floor
 test-floor:
 	$(BASE_PYTHON) scripts/setup_env.py --venv $(FLOOR_VENV) --python $(BASE_PYTHON) --torch-pins "$$($(BASE_PYTHON) scripts/setup_env.py --print-floor)"
-	COURSE_SIZE=ci COURSE_CHECK_DEVICES=1 $(FLOOR_VENV)/bin/python -m pytest tests -m "not slow and not notebook" -p no:cacheprovider
+	COURSE_SIZE=ci COURSE_CHECK_DEVICES=1 $(FLOOR_VENV)/bin/python -m pytest tests -m "not slow and not notebook" -p no:cacheprovider --durations=15
 
 lint: setup
 	$(PY) -m ruff check .

@@ -3,6 +3,8 @@
 python -m course_utils doctor [--json]
 python -m course_utils data download --root DIR [--datasets cifar10 fashionmnist]
 python -m course_utils bench launch --world-size 4 [--rounds 5]
+python -m course_utils bench tp [--world-sizes 1 2 4] [--rounds 5] [--json]
+python -m course_utils bench zero [--world-sizes 2 4] [--rounds 3] [--json]
 python -m course_utils course --out build [--size ci|cpu|gpu] [--only 01]
 python -m course_utils copies --kind student|answers --out build/student
 python -m course_utils workspace --dir work [--kind student|answers]
@@ -66,6 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--global-batch", type=int, default=1024)
     pp.add_argument("--rounds", type=int, default=5)
     pp.add_argument("--json", action="store_true")
+    tp = bsub.add_parser(
+        "tp", help="from-scratch TP layer vs torch DTensor TP: step time, ratio, activation memory"
+    )
+    tp.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4], metavar="T")
+    tp.add_argument("--rounds", type=int, default=5)
+    tp.add_argument("--json", action="store_true")
+    zb = bsub.add_parser(
+        "zero",
+        help="DDP, ZeRO-1/2/3 from scratch, ZeroRedundancyOptimizer, FSDP2: time, memory, bytes",
+    )
+    zb.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="N")
+    zb.add_argument("--rounds", type=int, default=3)
+    zb.add_argument("--json", action="store_true")
     t = bsub.add_parser("traces", help="parse + analyse speed on 8 generated ~50 MB rank traces")
     t.add_argument("--ranks", type=int, default=8)
     t.add_argument("--mb", type=float, default=50.0, help="size of each trace")
@@ -133,6 +148,18 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
                 result = bench_pipeline.run(args.stages, args.global_batch, rounds=args.rounds)
             print(json.dumps(result, indent=2) if args.json else bench_pipeline.table(result))
+        elif args.bench_cmd == "tp":
+            from .bench import tp as bench_tp
+
+            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+                result = bench_tp.run(args.world_sizes, args.rounds)
+            print(json.dumps(result, indent=2) if args.json else bench_tp.table(result))
+        elif args.bench_cmd == "zero":
+            from .bench import zero as bench_zero
+
+            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+                result = bench_zero.run(args.world_sizes, args.rounds)
+            print(json.dumps(result, indent=2) if args.json else bench_zero.table(result))
         else:
             from .bench import traces as bench_traces
 

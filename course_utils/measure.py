@@ -77,6 +77,21 @@ def saved_activations():
         yield box
 
 
+def loopback_bytes() -> int | None:
+    """Bytes this machine has sent over its loopback interface so far (Linux's ``/proc/net/dev``),
+    or None where there is no such counter. CPU ranks on one node talk over loopback, so the
+    difference around a step is what really travelled (other programs can only add to it).
+    Used in notebooks 03 and 06."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                if line.strip().startswith("lo:"):
+                    return int(line.split()[9])  # transmitted bytes
+    except OSError:
+        pass
+    return None
+
+
 def time_steps(
     step: Callable[[], object], steps: int, warmup: int, device: torch.device | str
 ) -> list[float]:
@@ -106,6 +121,26 @@ def reset_peak_memory(device: torch.device | str) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def storage_bytes(tensors) -> dict[torch.dtype, int]:
+    """Bytes of the storage behind ``tensors``, by dtype, each storage counted once.
+
+    Views of one flat buffer (ZeRO's buckets) count the whole buffer once, padding included;
+    a storage resized to nothing (a freed ZeRO-3 unit) counts zero. Counted from the tensors
+    themselves, so CPU and GPU give the same numbers (notebook 08)."""
+    seen: set[tuple[str, int]] = set()
+    out: dict[torch.dtype, int] = defaultdict(int)
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        out[t.dtype] += storage.nbytes()
+    return dict(out)
 
 
 def fmt_bytes(n: float | None) -> str:

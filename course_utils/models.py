@@ -3,6 +3,8 @@ is applied to them from outside (STYLE.md, "Models stay single-device")."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -151,3 +153,130 @@ def pipeline_mlp(
         nn.Sequential(nn.Linear(d_in if i == 0 else width, width), nn.Tanh()) for i in range(depth)
     ]
     return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+# --- A small GPT: the transformer notebooks 06 (tensor parallel) and 07 (3D) parallelize -----
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of :class:`GPT`. Megatron's letters: ``h`` = ``d_model``, ``a`` = ``n_heads``,
+    ``s`` = ``seq_len``, ``v`` = ``vocab``, ``L`` = ``n_layers``."""
+
+    vocab: int = 64
+    """Vocabulary size (tokens are ``0 .. vocab-1``)."""
+    seq_len: int = 16
+    """Longest sequence (the position table's length)."""
+    d_model: int = 32
+    """Hidden size ``h``."""
+    n_heads: int = 4
+    """Attention heads ``a``; ``d_model`` must be a multiple of it."""
+    n_layers: int = 2
+    """Transformer layers."""
+    ffn_mult: int = 4
+    """MLP width as a multiple of ``d_model`` (4 in GPT-2 and in Megatron's formulas)."""
+    dropout: float = 0.0
+    """Dropout after attention's softmax, attention's output and the MLP (0: no dropout layers)."""
+
+    def __post_init__(self):
+        for name in ("vocab", "seq_len", "d_model", "n_heads", "n_layers", "ffn_mult"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig: {name} must be a whole number >= 1, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"GPTConfig: d_model={self.d_model} must be a multiple of n_heads={self.n_heads}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig: dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def _dropout(p: float) -> nn.Module:
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused ``qkv`` projection.
+
+    ``qkv``'s output features are laid out head by head, ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``
+    (Megatron-LM's layout), so a contiguous slice of its rows holds whole heads with their Q, K
+    and V: cutting ``qkv`` column-wise into ``t`` contiguous shards gives each rank ``a/t`` heads.
+    The number of heads is read from ``qkv``'s output width, so the same code runs on a shard.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim  # n_heads: of the whole model
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.attn_drop, self.drop = _dropout(cfg.dropout), _dropout(cfg.dropout)
+        mask = torch.full((cfg.seq_len, cfg.seq_len), float("-inf")).triu(1)
+        self.register_buffer("causal", mask, persistent=False)  # added: saves nothing for backward
+
+    def forward(self, x):  # (B, T, h) -> (B, T, h)
+        qkv = self.qkv(x)  # (B, T, 3h): read B and T here, where the sequence is whole
+        B, T = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.view(B, T, -1, 3, self.head_dim)  # (B, T, heads, 3, hd)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each (B, heads, T, hd)
+        att = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5  # (B, heads, T, T)
+        att = self.attn_drop(torch.softmax(att + self.causal[:T, :T], dim=-1))
+        y = (att @ v).transpose(1, 2).reshape(B, T, -1)  # (B, T, heads * hd)
+        return self.drop(self.proj(y))  # (B, T, h)
+
+
+class MLP(nn.Module):
+    """``up`` (h -> 4h), GELU, ``down`` (4h -> h), dropout."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, cfg.ffn_mult * cfg.d_model)
+        self.down = nn.Linear(cfg.ffn_mult * cfg.d_model, cfg.d_model)
+        self.drop = _dropout(cfg.dropout)
+
+    def forward(self, x):  # (B, T, h) -> (B, T, h)
+        return self.drop(self.down(nn.functional.gelu(self.up(x))))  # up: (B, T, 4h)
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer layer: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(cfg.d_model), CausalSelfAttention(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+
+    def forward(self, x):  # (B, T, h) -> (B, T, h)
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style decoder: token and position embeddings, ``n_layers`` :class:`Block`s, a final
+    LayerNorm and an untied ``head`` to the vocabulary. ``(B, T)`` token ids -> ``(B, T, vocab)``
+    logits. Single-device; notebook 06 shards it with ``course_utils.tensor_parallel.apply_tp``.
+    """
+
+    def __init__(self, cfg: GPTConfig | None = None):
+        super().__init__()
+        self.cfg = cfg = cfg or GPTConfig()
+        self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = _dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, idx):  # (B, T) -> (B, T, vocab)
+        T = idx.shape[1]
+        if self.cfg.seq_len < T:
+            raise ValueError(
+                f"sequence of {T} tokens, but the model's seq_len is {self.cfg.seq_len}"
+            )
+        x = self.drop(self.embed(idx) + self.pos.weight[:T])  # (B, T, h)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))  # (B, T, vocab)

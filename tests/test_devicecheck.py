@@ -136,7 +136,7 @@ def pipeline_recv_without_device(ctx):
 @pytest.mark.multiprocess
 def test_notebook_05_recv_buffer_bug_is_found(runs_root):
     with pytest.raises(RankFailedError) as info:
-        launch(pipeline_recv_without_device, 2, check_devices=True, echo=False)
+        launch(pipeline_recv_without_device, 2, check_devices=True, echo=False, timeout=90)
     assert info.value.rank == 1
     assert "dist.recv was given a tensor (2, 4) made without a device" in str(info.value)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -95,7 +96,8 @@ def test_bad_markup_is_named(source, words):
 
 
 def solution_lines(nb) -> list[str]:
-    """The text lines inside solution regions (long enough to mean something)."""
+    """The text lines inside solution regions, short ones included (``n = len(costs)``); only
+    blank lines and lines of pure punctuation (a closing ``)`` or ``]``) are left out."""
     lines, inside = [], False
     for cell in nb.cells:
         for line in cell.source.splitlines():
@@ -103,15 +105,19 @@ def solution_lines(nb) -> list[str]:
                 inside = True
             elif line.strip() == END:
                 inside = False
-            elif inside and len(line.strip()) > 12:
+            elif inside and re.search(r"\w", line):
                 lines.append(line.strip())
     return lines
 
 
+def test_solution_lines_count_short_lines():
+    nb = toy_notebook()
+    nb.cells[2].source = f"# Exercise 09.1: x\n{BEGIN}\nn = 1\nf(\n    n,\n)\n]\n\n{END}"
+    assert solution_lines(nb) == ["n = 1", "f(", "n,", "Because the model answer says so."]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_every_notebook_has_two_coding_exercises_and_no_solution_survives(path, tmp_path):
-    import re
-
     nb = nbformat.read(path, as_version=4)
     found = exercises(nb, path.stem)
     assert sum(e.kind == "code" for e in found) >= 2, f"{path.name}: {found}"

@@ -9,6 +9,7 @@ none of them may outlive it.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from course_utils import RankFailedError, RankTimeoutError, launch
+from course_utils.launcher.supervise import read_record, stop
 from tests.conftest import descendants, only_run_dir, pid_alive, wait_dead
 
 pytestmark = pytest.mark.multiprocess
@@ -183,16 +185,55 @@ def ignores_sigterm(ctx):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     (ctx.run_dir / f"rank{ctx.rank}.ready").write_text(str(os.getpid()))
     if ctx.rank == 1:
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while not (ctx.run_dir / "rank0.ready").exists():  # rank 0 ignores SIGTERM before we fail
+            assert time.monotonic() < deadline, "rank 0 never got to ignore SIGTERM"
+            time.sleep(0.05)
         raise ValueError("stop the others")
     time.sleep(300)
 
 
 def test_rank_ignoring_sigterm_is_killed(runs_root):
-    """stop() escalates to SIGKILL: a rank that ignores SIGTERM still ends, within seconds."""
-    t0 = time.monotonic()
+    """stop() escalates to SIGKILL: a rank that ignores SIGTERM still ends, within seconds.
+
+    The rank's watchdog would kill it anyway once launch closes the liveness pipe, but only after
+    launch.json is written: the exit code recorded there shows that stop() itself killed it.
+    """
     with pytest.raises(RankFailedError):
         launch(ignores_sigterm, 2, init_process_group=False, echo=False)
-    assert time.monotonic() - t0 < 20
-    pid = int((only_run_dir(runs_root) / "rank0.ready").read_text())
+    ended = time.time()
+    run_dir = only_run_dir(runs_root)
+    codes = json.loads((run_dir / "launch.json").read_text())["exitcodes"]
+    assert codes == {"0": -signal.SIGKILL, "1": 1}, (
+        f"exit codes when launch returned: {codes}; rank 0 ignores SIGTERM, so stop() must "
+        "have sent SIGKILL (None: it was still running)"
+    )
+    failed = read_record(run_dir, 1)["time"]  # when rank 1 raised; start-up is not counted
+    assert ended - failed < 10, f"launch returned {ended - failed:.1f}s after rank 1 failed"
+    pid = int((run_dir / "rank0.ready").read_text())
     assert wait_dead([pid], within=1) == []
+
+
+def sleep_ignoring_sigterm(ready) -> None:
+    os.setsid()  # a group leader, as a rank is
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    time.sleep(300)
+
+
+def test_stop_kills_a_process_that_ignores_sigterm():
+    """No liveness pipe here: only stop()'s own SIGKILL can end this process."""
+    mp = multiprocessing.get_context("fork")
+    ready = mp.Event()
+    proc = mp.Process(target=sleep_ignoring_sigterm, args=(ready,), daemon=True)
+    proc.start()
+    try:
+        assert ready.wait(30), "the child never got to ignore SIGTERM"
+        stop({0: proc}, grace=0.2)
+        assert proc.exitcode == -signal.SIGKILL, (
+            f"stop() returned with exit code {proc.exitcode} (None: still running); "
+            "it must escalate to SIGKILL after the grace period"
+        )
+    finally:
+        proc.kill()
+        proc.join()

@@ -105,3 +105,59 @@ def test_rank_errors_show_the_worker_not_the_launcher(runs_root, tmp_path):
         assert own in text, text  # the worker's own frame
         for internal in INTERNALS:
             assert internal not in text, f"{internal} shown in {name}:\n{text}"
+
+
+def test_an_interrupt_shows_launch_notice_not_its_internals(runs_root, tmp_path):
+    """Kernel -> Interrupt during a launch: every rank stops, the cell shows one line."""
+    import asyncio
+    import re
+    import time
+
+    from tests.conftest import wait_dead
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            f"import os, time\nfrom course_utils import launch\nPIDS = {str(pids)!r}"
+        ),
+        nbformat.v4.new_code_cell(
+            """def sleeper(ctx):
+    open(os.path.join(PIDS, f"rank{ctx.rank}.pid"), "w").write(str(os.getpid()))
+    time.sleep(300)
+launch(sleeper, 2)"""
+        ),
+    ]
+    client = NotebookClient(
+        nb,
+        timeout=240,  # per cell; pytest's own 300 s bounds the whole test
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+
+    async def run_and_interrupt() -> list[int]:
+        async with client.async_setup_kernel():
+            await client.async_execute_cell(nb.cells[0], 0)
+            cell = asyncio.ensure_future(client.async_execute_cell(nb.cells[1], 1))
+            deadline = time.monotonic() + 180  # two ranks import torch: slow on 2 busy cores
+            while len(list(pids.glob("rank*.pid"))) < 2:  # both ranks are in their sleep
+                assert not cell.done() and time.monotonic() < deadline, "the ranks never started"
+                await asyncio.sleep(0.2)
+            await client.km.interrupt_kernel()  # what Kernel -> Interrupt sends
+            await asyncio.wait_for(cell, 30)  # launch stops the ranks in seconds
+        return [int(p.read_text()) for p in pids.glob("rank*.pid")]
+
+    client.reset_execution_trackers()
+    ranks = asyncio.run(run_and_interrupt())
+    outputs = nb.cells[1].outputs
+    (err,) = [o for o in outputs if o.output_type == "error"]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(err.traceback))
+    assert text.startswith("KeyboardInterrupt: launch was interrupted; all 2 ranks were stopped")
+    assert "\n" not in text, f"more than launch's one line:\n{text}"
+    for internal in (*INTERNALS, "Traceback"):
+        assert internal not in text, f"{internal} shown after the interrupt:\n{text}"
+    stderr = "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
+    assert "launch: interrupted; all 2 ranks were stopped" in stderr, stderr
+    assert wait_dead(ranks, within=10) == [], "a rank outlived the interrupt"

@@ -244,15 +244,23 @@ def test_table_columns_are_unambiguous():
     labels = [h.strip() for h in head.split("|")]
     assert labels == [
         "rank",
-        "step",
+        "step time",
         "compute",
         "comm exposed",
         "data",
         "optimizer",
         "idle",
         "comm total",
-        "comm hidden",
+        "comm hidden %",
     ]
+    # the footer's account of the units holds for every row
+    lines = a.table().splitlines()
+    assert "Milliseconds per step" in lines[-1] and "except comm hidden %" in lines[-1]
+    for line in lines[2:-1]:
+        cells = [c.strip() for c in line.split("<-")[0].split("|")]
+        assert cells[-1].endswith("%")
+        step, compute, exposed, data, optimizer, idle = map(float, cells[1:7])
+        assert compute + exposed + data + optimizer + idle == pytest.approx(step, abs=0.05)
 
 
 def test_waiting_inside_an_annotation_is_not_compute(tmp_path):

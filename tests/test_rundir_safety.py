@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import re
 import secrets
 import stat
 import tempfile
@@ -117,6 +118,59 @@ def test_parent_owned_by_someone_else_is_refused(tmp_path, monkeypatch):
     shared.chmod(0o1777)
     monkeypatch.setenv("COURSE_RUNS_DIR", str(shared / "runs"))
     with pytest.raises(RunDirError, match="belongs to another user"):
+        new_run_dir("x")
+    assert mode(shared) == 0o1777 and list(shared.iterdir()) == []
+
+
+@pytest.fixture
+def foreign(monkeypatch):
+    """``foreign(path)``: from now on, launch's ownership checks see ``path`` as owned by nobody.
+
+    rundir compares ``os.fstat(fd).st_uid`` with ``os.getuid()``; only the uid of that one folder
+    is changed, so any user can run the tests that need a folder of someone else's.
+    """
+    inodes = set()
+    real_fstat = os.fstat
+
+    def fstat(fd):
+        st = real_fstat(fd)
+        if (st.st_dev, st.st_ino) not in inodes:
+            return st
+        fields = list(st[:10])
+        fields[4] = NOBODY  # st_uid
+        return os.stat_result(fields)
+
+    def mark(path) -> None:
+        st = os.stat(path)
+        inodes.add((st.st_dev, st.st_ino))
+
+    monkeypatch.setattr(os, "fstat", fstat)
+    assert os.getuid() != NOBODY
+    return mark
+
+
+def test_runs_root_owned_by_someone_else_is_refused_any_user(tmp_path, monkeypatch, foreign):
+    root = tmp_path / "runs"
+    root.mkdir(mode=0o700)
+    foreign(root)
+    monkeypatch.setenv("COURSE_RUNS_DIR", str(root))
+    with pytest.raises(
+        RunDirError, match=re.escape(f"{root} belongs to another user (uid {NOBODY})")
+    ):
+        new_run_dir("x")
+    assert mode(root) == 0o700 and list(root.iterdir()) == []
+
+
+def test_parent_owned_by_someone_else_is_refused_any_user(tmp_path, monkeypatch, foreign):
+    """A sticky folder of theirs holding runs/: its owner could rename runs/ and plant their own."""
+    shared = tmp_path / "scratch"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    foreign(shared)
+    monkeypatch.setenv("COURSE_RUNS_DIR", str(shared / "runs"))
+    with pytest.raises(
+        RunDirError, match=re.escape(f"{shared} belongs to another user (uid {NOBODY})")
+    ):
         new_run_dir("x")
     assert mode(shared) == 0o1777 and list(shared.iterdir()) == []
 

@@ -199,6 +199,7 @@ def where(python, names, env, cwd) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a venv from the registry: about 1 min here, 5 on a slow CI machine
 def test_site_torch_venv_installs_only_what_is_missing(site, tmp_path):
     import torch
 
@@ -246,6 +247,7 @@ def test_site_torch_venv_installs_only_what_is_missing(site, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # as above
 def test_hub_env_serves_every_user_from_one_place(site, tmp_path):
     env = site_env(site) | {"JUPYTER_PATH": "", "JUPYTER_DATA_DIR": str(tmp_path / "nouser")}
     prefix, kernels = tmp_path / "shared" / "distributed-course", tmp_path / "kernels"

@@ -22,6 +22,7 @@ def error_text(cell) -> str | None:
     return None
 
 
+@pytest.mark.timeout(900)  # a whole notebook (03: about 100 s at ci) plus checks that launch ranks
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_student_copy_fails_only_at_its_exercises(path, monkeypatch):
     monkeypatch.setenv("COURSE_SIZE", "ci")

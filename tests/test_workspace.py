@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 
 from course_utils.exercises import BEGIN, END
-from course_utils.workspace import MANIFEST, prepare
+from course_utils.workspace import MANIFEST, prepare, report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +59,57 @@ def test_working_copies_survive_a_course_update(tmp_path):
     beside = nbformat.read(work / "02_b.updated.ipynb", as_version=4)
     assert beside.cells[0].source == "version 2"
     assert (work / MANIFEST).exists()
+
+
+def edit(path: Path, cell: int, source: str | None = None, output: str | None = None) -> None:
+    nb = nbformat.read(path, as_version=4)
+    if source is not None:
+        nb.cells[cell].source = source
+    if output is not None:
+        nb.cells[cell].outputs = [nbformat.v4.new_output("stream", text=output)]
+    nbformat.write(nb, path)
+
+
+def test_an_updated_copy_the_student_moved_to_is_never_overwritten(tmp_path):
+    """``make lab`` runs prepare every time: the ``.updated`` copy must survive later runs."""
+    src, work = tmp_path / "notebooks", tmp_path / "work"
+    src.mkdir()
+    write_source(src, "01_a", "version 1")
+    prepare(work, src=src)
+    edit(work / "01_a.ipynb", 1, source="def f(a, b):\n    return b + a  # my answer")
+    write_source(src, "01_a", "version 2")
+    updated = work / "01_a.updated.ipynb"
+    (change,) = prepare(work, src=src)  # the course update: the new version goes beside it
+    assert (change.action, change.path) == ("kept", updated)
+
+    # the student runs the new version: outputs only, so the next make lab may not rewrite it
+    edit(updated, 1, output="ran")
+    (change,) = prepare(work, src=src)
+    assert (change.action, change.path) == ("kept", updated)
+    assert nbformat.read(updated, as_version=4).cells[1].outputs, "outputs of .updated lost"
+
+    # ... then moves to it, as the message suggests, and writes code there
+    edit(updated, 1, source="def f(a, b):\n    return a + b  # my answer, moved")
+    (change,) = prepare(work, src=src)
+    assert (change.action, change.path) == ("edited", updated)
+    assert "moved" in nbformat.read(updated, as_version=4).cells[1].source
+    assert "both kept" in report([change])
+
+    # the course changes again: neither edited copy is touched, the new version gets a fresh name
+    write_source(src, "01_a", "version 3")
+    (change,) = prepare(work, src=src)
+    second = work / "01_a.updated-2.ipynb"
+    assert (change.action, change.path, change.also_kept) == ("kept", second, [updated])
+    assert "moved" in nbformat.read(updated, as_version=4).cells[1].source
+    assert "my answer" in nbformat.read(work / "01_a.ipynb", as_version=4).cells[1].source
+    assert nbformat.read(second, as_version=4).cells[0].source == "version 3"
+    assert "01_a.updated.ipynb: you edited it too" in report([change])
+    assert [c.action for c in prepare(work, src=src)] == ["kept"]  # and stays put after that
+    assert sorted(p.name for p in work.glob("*.ipynb")) == [
+        "01_a.ipynb",
+        "01_a.updated-2.ipynb",
+        "01_a.updated.ipynb",
+    ]
 
 
 def test_work_is_ignored_by_git_and_sources_stay_clean(tmp_path):

@@ -13,6 +13,8 @@ Exercises, by notebook (``python -m course_utils copies --kind student`` removes
 - 03: :func:`check_ring_all_reduce`, :func:`check_ddp_unused_parameters`
 - 04: :func:`check_exposed_communication`, :func:`check_bus_bandwidth`
 - 05: :func:`check_one_f_one_b`, :func:`check_balanced_split`
+- 06: :func:`check_row_parallel_linear`, :func:`check_qkv_shard`
+- 08: :func:`check_shard_bounds`, :func:`check_zero1_step`
 """
 
 from .common import ExerciseError
@@ -21,6 +23,8 @@ from .nb02 import check_reduce_gradients, check_scatter_sizes
 from .nb03 import check_ddp_unused_parameters, check_ring_all_reduce
 from .nb04 import check_bus_bandwidth, check_exposed_communication
 from .nb05 import check_balanced_split, check_one_f_one_b
+from .nb06 import check_qkv_shard, check_row_parallel_linear
+from .nb08 import check_shard_bounds, check_zero1_step
 
 __all__ = [
     "ExerciseError",
@@ -30,8 +34,12 @@ __all__ = [
     "check_exposed_communication",
     "check_mlp_activation_bytes",
     "check_one_f_one_b",
+    "check_qkv_shard",
     "check_reduce_gradients",
     "check_ring_all_reduce",
+    "check_row_parallel_linear",
     "check_scatter_sizes",
+    "check_shard_bounds",
     "check_state_bytes",
+    "check_zero1_step",
 ]

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
 
 class ExerciseError(AssertionError):
     """The student's answer is not right yet; the message says where, and gives a hint."""
@@ -14,6 +20,57 @@ def passed(number: str, what: str) -> None:
 
 def fail(number: str, message: str) -> None:
     raise ExerciseError(f"exercise {number}: {message}")
+
+
+@contextlib.contextmanager
+def refused(number: str, student_fn, reference, message: str):
+    """While the student's code runs, ``reference`` (a function the package holds) raises instead.
+
+    Every name bound to it is replaced: in the package's modules (so that a function of the
+    package that calls it refuses too) and in the globals of ``student_fn``, the notebook's
+    namespace when it was defined in a cell. All are restored on exit.
+    """
+
+    def refuse(*args, **kwargs):
+        raise ExerciseError(f"exercise {number}: {message}")
+
+    namespaces = [
+        vars(m)
+        for name, m in list(sys.modules.items())
+        if m is not None and (name == "course_utils" or name.startswith("course_utils."))
+    ]
+    namespaces.append(getattr(student_fn, "__globals__", {}))
+    patched = []
+    for ns in namespaces:
+        for key, value in list(ns.items()):
+            if value is reference:
+                ns[key] = refuse
+                patched.append((ns, key))
+    try:
+        yield
+    finally:
+        for ns, key in patched:
+            ns[key] = reference
+
+
+class RefuseTorch(TorchFunctionMode):
+    """While the student's code runs, refuse the torch functions in ``funcs`` and, with
+    ``autograd=True``, any operation that autograd records (a forward pass being measured)."""
+
+    def __init__(self, number: str, message: str, funcs=(), autograd: bool = False):
+        super().__init__()
+        self.number, self.message, self.funcs, self.autograd = number, message, set(funcs), autograd
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.funcs:
+            fail(self.number, self.message)
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if self.autograd and any(
+            isinstance(t, torch.Tensor) and t.grad_fn is not None for t in outs
+        ):
+            fail(self.number, self.message)
+        return out
 
 
 def launch_check(number: str, worker, world_size: int, **kwargs):

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..measure import saved_activations
 from ..models import FrozenMLP, ToyMLP
-from .common import fail, passed
+from .common import RefuseTorch, fail, passed
 
 
 class _TiedLM(nn.Module):
@@ -114,6 +114,13 @@ def _mlp(widths, dtype) -> nn.Sequential:
     return nn.Sequential(*layers).to(dtype)
 
 
+MEASURING = (
+    "your function ran a forward pass that autograd recorded, which is measuring (the check does "
+    "that). Count from batch, widths and dtype alone: which tensors does each layer keep for "
+    "backward, and how many bytes is each?"
+)
+
+
 def check_mlp_activation_bytes(mlp_activation_bytes) -> None:
     """Exercise 01.2: bytes autograd keeps for backward in an MLP's forward pass."""
     cases = [
@@ -128,7 +135,8 @@ def check_mlp_activation_bytes(mlp_activation_bytes) -> None:
         model = _mlp(widths, dtype)
         with saved_activations() as mem:
             model(torch.randn(batch, widths[0], dtype=dtype))
-        got = mlp_activation_bytes(batch, widths, dtype)
+        with RefuseTorch("01.2", MEASURING, autograd=True):  # by reasoning, not by measuring
+            got = mlp_activation_bytes(batch, widths, dtype)
         if got == mem["bytes"]:
             continue
         e = torch.tensor([], dtype=dtype).element_size()

@@ -8,16 +8,31 @@ import torch
 from torch import nn
 
 from ..models import FrozenMLP, TiedMLP, ToyMLP, UnusedParamMLP
-from .common import fail, passed
+from .common import RefuseTorch, fail, passed
 
 SCATTER_CASES = [(64, 4), (100, 3), (10, 4), (2, 4), (1, 3), (7, 7), (8, 3), (1000, 6), (5, 2)]
+
+
+SPLITS = [
+    torch.chunk,
+    torch.Tensor.chunk,
+    torch.split,
+    torch.Tensor.split,
+    torch.tensor_split,
+    torch.Tensor.tensor_split,
+]
+SPLITTING = (
+    "your function split a tensor to see the sizes (the check does that); work the sizes out "
+    "from chunk's rule, with integer arithmetic"
+)
 
 
 def check_scatter_sizes(scatter_sizes) -> None:
     """Exercise 02.1: ``scatter_sizes(batch, k)``: the batch each replica gets from ``scatter``."""
     for batch, k in SCATTER_CASES:
         expected = [c.shape[0] for c in torch.empty(batch).chunk(k)]
-        got = list(scatter_sizes(batch, k))
+        with RefuseTorch("02.1", SPLITTING, funcs=SPLITS):
+            got = list(scatter_sizes(batch, k))
         if got == expected:
             continue
         where = f"a batch of {batch} on {k} devices"
@@ -31,8 +46,8 @@ def check_scatter_sizes(scatter_sizes) -> None:
             )
         fail(
             "02.1",
-            f"for {where}: chunk does not balance the split; every chunk but the last gets the "
-            "batch divided by k, rounded up.",
+            f"for {where}: chunk does not balance the split as evenly as it could. Every chunk "
+            "but the last has the same size: which one, for k chunks to cover the batch?",
         )
     passed("02.1", f"scatter sizes right for {len(SCATTER_CASES)} (batch, devices) pairs")
 

@@ -7,7 +7,7 @@ import random
 
 from ..pipeline.partition import balanced_split
 from ..pipeline.simulate import _order
-from .common import fail, passed
+from .common import fail, passed, refused
 
 
 def _as_pairs(actions) -> list[tuple[str, int]]:
@@ -18,12 +18,19 @@ def _as_pairs(actions) -> list[tuple[str, int]]:
     return out
 
 
+SIMULATOR = (
+    "your function asked the simulator for the order (_order, or simulate(), which calls it); "
+    "the check compares with the simulator, so write the order from 1F1B's rule yourself"
+)
+
+
 def check_one_f_one_b(one_f_one_b) -> None:
     """Exercise 05.1: ``one_f_one_b(p, m)``: per stage, the ("F"|"B", micro-batch) order of 1F1B."""
     cases = [(2, 1), (2, 4), (3, 5), (4, 8), (4, 2), (4, 4), (8, 3), (5, 16)]
     for p, m in cases:
         want = [_as_pairs(acts) for acts in _order("1f1b", p, m, 1)]
-        got = one_f_one_b(p, m)
+        with refused("05.1", one_f_one_b, _order, SIMULATOR):
+            got = one_f_one_b(p, m)
         if len(got) != p:
             fail("05.1", f"for p={p}, m={m} return one list per stage ({p}), got {len(got)}")
         for s, (mine, ref) in enumerate(zip(got, want)):

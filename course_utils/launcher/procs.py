@@ -21,7 +21,15 @@ import socket
 import torch.multiprocessing as tmp
 
 START_METHODS = ("auto", "forkserver", "spawn")
-PRELOAD = ["torch", "torch.distributed", "cloudpickle", "course_utils.launcher.rank"]
+# DTensor (torch.distributed.tensor) takes seconds to import, which every rank of notebooks 06-08
+# would otherwise pay on every launch; it starts no thread and touches no device.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "cloudpickle",
+    "course_utils.launcher.rank",
+]
 
 
 def get_context(start_method: str = "auto") -> multiprocessing.context.BaseContext:

@@ -273,17 +273,20 @@ class Analysis:
         return verdicts.pop() if len(verdicts) == 1 else None
 
     def table(self) -> str:
-        """The per-rank means as a text table, one column per class (ms per step)."""
+        """The per-rank means as a text table: the step time, one column per class, communication.
+
+        Every column but ``rank`` and ``comm hidden %`` is milliseconds per step.
+        """
         cols = [
             ("rank", 4),
-            ("step", 8),
+            ("step time", 9),
             ("compute", 8),
-            ("comm exposed", 13),
+            ("comm exposed", 12),
             ("data", 7),
-            ("optimizer", 10),
+            ("optimizer", 9),
             ("idle", 7),
-            ("comm total", 11),
-            ("comm hidden", 12),
+            ("comm total", 10),
+            ("comm hidden %", 13),
         ]
         head = " | ".join(f"{name:>{w}}" for name, w in cols)
         lines = [head, "-" * len(head)]
@@ -291,20 +294,21 @@ class Analysis:
         for r in self.per_rank():
             values = [
                 f"{r['rank']:>4}",
-                f"{r['step_ms']:8.2f}",
+                f"{r['step_ms']:9.2f}",
                 f"{r['compute']:8.2f}",
-                f"{r['communication']:13.2f}",
+                f"{r['communication']:12.2f}",
                 f"{r['data']:7.2f}",
-                f"{r['optimizer']:10.2f}",
+                f"{r['optimizer']:9.2f}",
                 f"{r['idle']:7.2f}",
-                f"{r['comm_total']:11.2f}",
-                f"{r['overlap']:12.0%}",
+                f"{r['comm_total']:10.2f}",
+                f"{r['overlap']:13.0%}",
             ]
             lines.append(" | ".join(values) + ("   <- straggler" if r["rank"] == slow else ""))
         lines.append(
-            "ms per step, mean over the recorded steps. comm exposed: communication while the rank "
-            "did nothing else; comm total: all of it, including what overlapped compute; comm "
-            "hidden: the share of comm total that overlapped."
+            "Milliseconds per step, mean over the recorded steps, except comm hidden %. "
+            "compute + comm exposed + data + optimizer + idle = step time. comm exposed: "
+            "communication while the rank did nothing else; comm total: all of it, including what "
+            "overlapped compute; comm hidden %: the share of comm total that overlapped."
         )
         return "\n".join(lines)
 

@@ -1,0 +1,144 @@
+"""Every way to shard data-parallel training, run on the same model and checked against one process.
+
+:func:`parity_worker` (run it under ``launch``) trains a model with one of :data:`METHODS` on this
+rank's slice of each global batch, and beside it a single-process reference on the whole batch.
+It returns, per step, the largest parameter difference, and at the end the model-state bytes
+this rank held (:func:`~.memory.count_model_states`) and the bytes it sent per step
+(:mod:`.traffic`; for the course's own stages).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import models
+from . import traffic
+from .memory import count_model_states
+from .stage1 import ShardedOptimizer
+from .stage2 import ShardedGradientOptimizer
+from .stage3 import ShardedModel
+
+METHODS = ("ddp", "zero1", "zero1-naive", "zero2", "zero3", "zero-redundancy", "fsdp2")
+"""``ddp``: torch DDP (stage 0); ``zero1``..``zero3``: this package (``zero1-naive``: all-reduce,
+then all-gather); ``zero-redundancy``: DDP with torch's ``ZeroRedundancyOptimizer``; ``fsdp2``:
+``torch.distributed.fsdp.fully_shard`` on every linear layer, then on the model."""
+
+MODELS = {"mlp": models.ToyMLP, "tied": models.TiedMLP, "frozen": models.FrozenMLP}
+OPTIMIZERS = {
+    "adam": (torch.optim.Adam, {"lr": 1e-2}),
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+}
+
+
+def cpu_or_device_mesh(device: torch.device):
+    """A one-dimensional mesh over all ranks on ``device``'s type. On CPU it must be given
+    explicitly: a default mesh picks the accelerator where there is one (pytorch issue 132471)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def wrap(method: str, model: nn.Module, optimizer: str, device: torch.device, units=None):
+    """(model to call, optimizer, how to read its full parameters) for ``method``: one of
+    :data:`METHODS`, or a function ``method(model, optimizer_class, options)`` returning the same
+    three (a notebook's own implementation)."""
+    cls, options = OPTIMIZERS[optimizer]
+    if callable(method):
+        return method(model, cls, options)
+    if method == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(model)
+        return ddp, cls(ddp.parameters(), **options), lambda: dict(model.named_parameters())
+    if method in ("zero1", "zero1-naive", "zero2"):
+        if method == "zero2":
+            opt = ShardedGradientOptimizer(model.parameters(), cls, **options)
+        else:
+            how = "all_reduce" if method == "zero1-naive" else "reduce_scatter"
+            opt = ShardedOptimizer(model.parameters(), cls, gradient_reduction=how, **options)
+        return model, opt, lambda: dict(model.named_parameters())
+    if method == "zero3":
+        sharded = ShardedModel(model, units=units)
+        return sharded, cls(sharded.parameters(), **options), sharded.full_parameters
+    if method == "zero-redundancy":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=cls, **options)
+        return ddp, opt, lambda: dict(model.named_parameters())
+    if method == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = cpu_or_device_mesh(device)
+        for m in (
+            units if units is not None else [m for m in model.modules() if isinstance(m, nn.Linear)]
+        ):
+            fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = cls(model.parameters(), **options)
+
+        def full():
+            return {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                    for k, v in model.named_parameters()}  # fmt: skip
+
+        return model, opt, full
+    raise ValueError(f"method must be one of {METHODS}, not {method!r}")
+
+
+def parity_worker(
+    ctx,
+    method: str,
+    model: str = "mlp",
+    optimizer: str = "adam",
+    steps: int = 3,
+    global_batch: int = 16,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+) -> dict:
+    """Train with ``method`` and, beside it, one process on the whole batch; see the module doc."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed)
+    reference = MODELS[model]().to(ctx.device, dtype)
+    torch.manual_seed(seed)
+    net = MODELS[model]().to(ctx.device, dtype)
+    cls, options = OPTIMIZERS[optimizer]
+    opt_ref = cls(reference.parameters(), **options)
+    call, opt, full = wrap(method, net, optimizer, ctx.device)
+    data = torch.Generator().manual_seed(seed + 1)  # the same global batches on every rank
+    diffs, sent = [], []
+    for _ in range(steps):
+        x = torch.randn(global_batch, 16, generator=data, dtype=dtype).to(ctx.device)
+        y = torch.randint(4, (global_batch,), generator=data).to(ctx.device)
+        opt_ref.zero_grad()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        opt_ref.step()
+        with traffic.recording() as log:
+            loss = nn.functional.cross_entropy(call(x.chunk(n)[r]), y.chunk(n)[r])
+            loss.backward()
+            getattr(call, "finish_gradient_synchronization", lambda: None)()
+            opt.step()
+        states = count_model_states(call, opt)
+        opt.zero_grad()
+        sent.append(log.volume_bytes)
+        mine = full()
+        diffs.append(
+            max(
+                (mine[k].detach() - p.detach()).abs().max().item()
+                for k, p in reference.named_parameters()
+            )  # fmt: skip
+        )
+    psi = sum(p.numel() for p in reference.parameters() if p.requires_grad)
+    return {
+        "loss": float(loss),
+        "diffs": diffs,
+        "volume_per_psi": sent[-1] / (psi * torch.finfo(dtype).bits // 8),
+        "states": {k: states.bytes(k) for k in ("parameters", "gradients", "optimizer")},
+        "psi": psi,
+    }
+
+
+def parity_many(ctx, method: str, cases, steps: int = 3) -> list[dict]:
+    """:func:`parity_worker` for each ``(model, optimizer, dtype)`` of ``cases``, in one launch."""
+    return [
+        parity_worker(ctx, method, model=m, optimizer=o, dtype=d, steps=steps) for m, o, d in cases
+    ]

@@ -1,0 +1,635 @@
+"""The exercise checks: a right answer passes; typical wrong ones get the hint, never the answer.
+
+Each right answer is the model answer's logic from the notebook; the wrong ones are the mistakes
+the checks' hints are written for. The 03.x checks start real gloo ranks.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_utils import checks
+from course_utils.checks import ExerciseError
+from course_utils.checks.nb01 import _cases, _reference
+from course_utils.data_parallel import BucketedDDP
+from course_utils.measure import saved_activations
+from course_utils.pipeline.partition import balanced_split as reference_split
+from course_utils.pipeline.simulate import _order, simulate
+from course_utils.profiling import collectives
+from course_utils.profiling.analysis import classify_name, subtract, union
+
+
+def fails(check, answer, hint: str, absent=()) -> str:
+    """Run ``check(answer)``: it must raise ExerciseError naming ``hint`` and none of ``absent``."""
+    with pytest.raises(ExerciseError) as info:
+        check(answer)
+    message = str(info.value)
+    assert hint in message, message
+    for value in absent:
+        assert str(value) not in message, f"{value!r} (the expected answer) in: {message}"
+    return message
+
+
+# ---- 01.1 state bytes -------------------------------------------------------------------------
+
+
+def _nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def state_bytes(model, optimizer):
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {"parameters": _nbytes(params), "gradients": _nbytes(grads), "optimizer": _nbytes(state)}
+
+
+def _expected_01_1(label: str, key: str) -> int:
+    (found,) = [_reference(m, o)[key] for lab, m, o in _cases() if lab == label]
+    return found
+
+
+def test_01_1_state_bytes(capsys):
+    checks.check_state_bytes(state_bytes)
+    assert "✓ exercise 01.1" in capsys.readouterr().out
+
+
+def test_01_1_frozen_parameters_have_no_gradient():
+    def grads_of_every_parameter(model, optimizer):
+        out = state_bytes(model, optimizer)
+        out["gradients"] = _nbytes(model.parameters())
+        return out
+
+    want = _expected_01_1("a model with a frozen layer, Adam", "gradients")
+    fails(checks.check_state_bytes, grads_of_every_parameter, "frozen parameters", [want])
+
+
+def test_01_1_step_counters_are_state():
+    def without_step(model, optimizer):
+        out = state_bytes(model, optimizer)
+        state = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+        out["optimizer"] = _nbytes(state)
+        return out
+
+    want = _expected_01_1("an MLP with Adam", "optimizer")
+    fails(checks.check_state_bytes, without_step, "the step counters included", [want])
+
+
+# ---- 01.2 activation bytes --------------------------------------------------------------------
+
+
+def mlp_activation_bytes(batch, widths, dtype=torch.float32):
+    size_of = torch.tensor([], dtype=dtype).element_size()
+    kept = [widths[0]] + list(widths[1:-1])
+    return sum(batch * w * size_of for w in kept)
+
+
+FIRST_CASE_BYTES = 8 * (16 + 32) * 4  # batch 8, widths [16, 32, 4], float32
+
+
+def test_01_2_activation_bytes(capsys):
+    checks.check_mlp_activation_bytes(mlp_activation_bytes)
+    assert "✓ exercise 01.2" in capsys.readouterr().out
+
+
+def test_01_2_typical_mistakes():
+    def without_input(batch, widths, dtype=torch.float32):
+        size_of = torch.tensor([], dtype=dtype).element_size()
+        return sum(batch * w * size_of for w in widths[1:-1])
+
+    def relu_twice(batch, widths, dtype=torch.float32):
+        size_of = torch.tensor([], dtype=dtype).element_size()
+        return mlp_activation_bytes(batch, widths, dtype) + sum(
+            batch * w * size_of for w in widths[1:-1]
+        )
+
+    absent = [FIRST_CASE_BYTES]
+    fails(checks.check_mlp_activation_bytes, without_input, "keeps its input as well", absent)
+    fails(checks.check_mlp_activation_bytes, relu_twice, "counted once", absent)
+
+
+def test_01_2_measuring_is_refused():
+    def measured(batch, widths, dtype=torch.float32):  # what saved_activations makes possible
+        layers = []
+        for i in range(len(widths) - 1):
+            layers += [nn.Linear(widths[i], widths[i + 1]), nn.ReLU()]
+        model = nn.Sequential(*layers[:-1]).to(dtype)
+        with saved_activations() as mem:
+            model(torch.randn(batch, widths[0], dtype=dtype))
+        return mem["bytes"]
+
+    assert measured(8, [16, 32, 4]) == FIRST_CASE_BYTES  # it would pass without the guard
+    fails(checks.check_mlp_activation_bytes, measured, "autograd recorded", [FIRST_CASE_BYTES])
+    # the guard is gone afterwards: autograd records again
+    assert nn.Linear(2, 2)(torch.randn(1, 2)).grad_fn is not None
+
+
+# ---- 02.1 scatter sizes -----------------------------------------------------------------------
+
+
+def scatter_sizes(batch, k):
+    per = -(-batch // k)
+    sizes = []
+    while batch > 0:
+        sizes.append(min(per, batch))
+        batch -= per
+    return sizes
+
+
+def test_02_1_scatter_sizes(capsys):
+    checks.check_scatter_sizes(scatter_sizes)
+    assert "✓ exercise 02.1" in capsys.readouterr().out
+
+
+def test_02_1_typical_mistakes():
+    def balanced(batch, k):  # 100 on 3 -> 34, 33, 33: what chunk does not do
+        q, r = divmod(batch, k)
+        return [q + 1] * r + [q] * (k - r)
+
+    def always_k(batch, k):  # k chunks, the last takes what is left (2 on 4 -> 1, 1, 1, -1)
+        per = -(-batch // k)
+        return [per] * (k - 1) + [batch - per * (k - 1)]
+
+    msg = fails(checks.check_scatter_sizes, balanced, "Every chunk but the last has the same size")
+    assert "100 on 3" in msg and "32" not in msg and "ceil" not in msg and "rounded up" not in msg
+    fails(checks.check_scatter_sizes, always_k, "never makes an empty chunk", ["[1, 1]"])
+
+
+def test_02_1_splitting_a_tensor_is_refused():
+    def by_chunk(batch, k):
+        return [c.shape[0] for c in torch.empty(batch).chunk(k)]
+
+    def by_split(batch, k):
+        return [c.shape[0] for c in torch.split(torch.empty(batch), -(-batch // k))]
+
+    fails(checks.check_scatter_sizes, by_chunk, "split a tensor")
+    fails(checks.check_scatter_sizes, by_split, "split a tensor")
+    assert [c.shape[0] for c in torch.empty(5).chunk(2)] == [3, 2]  # and chunk works again
+
+
+# ---- 02.2 reduce onto device 0 ----------------------------------------------------------------
+
+
+def reduce_gradients(model, replicas):
+    for p, *copies in zip(model.parameters(), *(r.parameters() for r in replicas)):
+        grads = [c.grad for c in copies if c.grad is not None]
+        p.grad = sum(grads) if grads else None
+
+
+def test_02_2_reduce_gradients(capsys):
+    checks.check_reduce_gradients(reduce_gradients)
+    assert "✓ exercise 02.2" in capsys.readouterr().out
+
+
+def test_02_2_typical_mistakes():
+    def averaged(model, replicas):
+        reduce_gradients(model, replicas)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= len(replicas)
+
+    def zeros_for_missing(model, replicas):
+        for p, *copies in zip(model.parameters(), *(r.parameters() for r in replicas)):
+            p.grad = sum((c.grad for c in copies if c.grad is not None), torch.zeros_like(p))
+
+    fails(checks.check_reduce_gradients, averaged, "do not average them", ["tensor("])
+    fails(checks.check_reduce_gradients, zeros_for_missing, "get no gradient", ["tensor("])
+
+
+# ---- 03.1 ring all-reduce (real ranks) --------------------------------------------------------
+
+
+def exchange(send_buf, dst, recv_buf, src):
+    ops = [dist.P2POp(dist.isend, send_buf, dst), dist.P2POp(dist.irecv, recv_buf, src)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def ring_all_reduce(t, all_gather=True):
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = list(t.chunk(n))
+    right, left = (r + 1) % n, (r - 1) % n
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        send_idx, recv_idx = (r - step) % n, (r - step - 1) % n
+        exchange(chunks[send_idx], right, incoming, left)
+        chunks[recv_idx] += incoming
+    for step in range(n - 1 if all_gather else 0):
+        send_idx, recv_idx = (r + 1 - step) % n, (r - step) % n
+        exchange(chunks[send_idx], right, incoming, left)
+        chunks[recv_idx].copy_(incoming)
+
+
+def reduce_scatter_only(t):
+    ring_all_reduce(t, all_gather=False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # notebook 03 runs the model answer through this check too
+def test_03_1_ring_all_reduce(runs_root, capsys):
+    checks.check_ring_all_reduce(ring_all_reduce)
+    assert "✓ exercise 03.1" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_03_1_without_the_all_gather(runs_root):
+    msg = fails(checks.check_ring_all_reduce, reduce_scatter_only, "1 of 2 chunks are right")
+    assert msg.startswith("rank ") and "tensor(" not in msg
+
+
+# ---- 03.2 unused parameters in the from-scratch DDP (real ranks) ------------------------------
+
+
+class OverlappedDDP(nn.Module):
+    """Notebook 03's overlapped DDP (naive -> bucketed -> overlapped), condensed."""
+
+    def __init__(self, module, bucket_cap_mb=1.0):
+        super().__init__()
+        self.module = module
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=0)
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets, current, nbytes = [], [], 0
+        for p in reversed(params):
+            current.append(p)
+            nbytes += p.numel() * p.element_size()
+            if nbytes >= bucket_cap_mb * 2**20:
+                self.buckets.append(current)
+                current, nbytes = [], 0
+        if current:
+            self.buckets.append(current)
+        self.where = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
+        self.ready = [0] * len(self.buckets)
+        self.pending = []
+        for bucket in self.buckets:
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def _flat(self, bucket):
+        return torch.cat([q.grad.reshape(-1) for q in bucket])
+
+    def _grad_ready(self, p):
+        self.ready[self.where[id(p)]] += 1
+        while len(self.pending) < len(self.buckets) and self.ready[len(self.pending)] == len(
+            self.buckets[len(self.pending)]
+        ):
+            bucket = self.buckets[len(self.pending)]
+            flat = self._flat(bucket)
+            self.pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
+
+
+class RobustOverlappedDDP(OverlappedDDP):
+    """The model answer of exercise 03.2; ``divide=False`` and ``none_where_unused=False`` make
+    the two typical mistakes."""
+
+    divide, none_where_unused = True, True
+
+    def _flat(self, bucket):
+        grads = [
+            (q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in bucket
+        ]
+        flags = torch.tensor(
+            [float(q.grad is not None) for q in bucket],
+            dtype=grads[0].dtype,
+            device=grads[0].device,
+        )
+        return torch.cat([*grads, flags])
+
+    def finish_gradient_synchronization(self):
+        for b in range(len(self.pending), len(self.buckets)):
+            bucket = self.buckets[b]
+            flat = self._flat(bucket)
+            self.pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
+        n = dist.get_world_size() if self.divide else 1
+        for work, flat, bucket in self.pending:
+            work.wait()
+            counts = flat[-len(bucket) :].tolist()
+            offset = 0
+            for p, count in zip(bucket, counts):
+                mean = flat[offset : offset + p.numel()].view_as(p) / n
+                if count == 0 and self.none_where_unused:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = mean.clone()
+                else:
+                    p.grad.copy_(mean)
+                offset += p.numel()
+        self.pending, self.ready = [], [0] * len(self.buckets)
+
+
+class SumsWithoutDividing(RobustOverlappedDDP):
+    divide = False
+
+
+class ZerosWhereUnused(RobustOverlappedDDP):
+    none_where_unused = False
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # notebook 03 runs the model answer through this check too
+def test_03_2_unused_parameters(runs_root, capsys):
+    checks.check_ddp_unused_parameters(RobustOverlappedDDP)
+    assert "✓ exercise 03.2" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_03_2_forgetting_to_divide_says_so(runs_root):
+    msg = fails(
+        checks.check_ddp_unused_parameters, SumsWithoutDividing, "did you divide by world_size?"
+    )
+    assert "2 times one process's" in msg and "never completes" not in msg and "tensor(" not in msg
+
+
+def test_03_2_the_finished_bucketed_ddp_is_refused():  # imported in notebook 03; no ranks start
+    for answer in (BucketedDDP, type("Renamed", (BucketedDDP,), {})):
+        fails(checks.check_ddp_unused_parameters, answer, "the package's BucketedDDP")
+
+
+@pytest.mark.multiprocess
+def test_03_2_zeros_where_no_rank_had_a_gradient(runs_root):
+    fails(checks.check_ddp_unused_parameters, ZerosWhereUnused, "leave .grad None", ["tensor("])
+
+
+# ---- 04.1 exposed communication ---------------------------------------------------------------
+
+
+def exposed_communication_ms(trace, k):
+    _, s0, s1 = trace.steps[k]
+    cls = np.array([classify_name(n) or "" for n in trace.names], dtype=object)[trace.name_id]
+    inside = (trace.end > s0) & (trace.start < s1)
+    cpu = ~trace.lane_is_gpu[trace.lane]
+    main = trace.lane == trace.main_lane
+    is_op = ~trace.name_is_annotation[trace.name_id]
+
+    def clipped(mask):
+        return union(np.clip(trace.start[mask], s0, s1), np.clip(trace.end[mask], s0, s1))
+
+    comm = clipped((cls == "communication") & cpu & inside)
+    waiting = clipped((cls == "communication") & main & inside)
+    compute = subtract(clipped((cls == "compute") & main & is_op & inside), waiting)
+    parts = [
+        compute,
+        clipped((cls == "data") & cpu & inside),
+        clipped((cls == "optimizer") & cpu & inside),
+    ]
+    busy = union(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    starts, ends = subtract(comm, busy)
+    return float((ends - starts).sum()) / 1e3
+
+
+def test_04_1_exposed_communication(capsys):
+    checks.check_exposed_communication(exposed_communication_ms)
+    assert "✓ exercise 04.1" in capsys.readouterr().out
+
+
+def test_04_1_typical_mistakes():
+    def all_communication(trace, k):
+        _, s0, s1 = trace.steps[k]
+        cls = np.array([classify_name(n) or "" for n in trace.names], dtype=object)
+        m = (cls[trace.name_id] == "communication") & (trace.end > s0) & (trace.start < s1)
+        s, e = union(np.clip(trace.start[m], s0, s1), np.clip(trace.end[m], s0, s1))
+        return float((e - s).sum()) / 1e3
+
+    def waiting_counts_as_compute(trace, k):  # forgets to take the c10d:: wait out of compute
+        _, s0, s1 = trace.steps[k]
+        cls = np.array([classify_name(n) or "" for n in trace.names], dtype=object)[trace.name_id]
+        inside = (trace.end > s0) & (trace.start < s1)
+        main = trace.lane == trace.main_lane
+
+        def clipped(mask):
+            return union(np.clip(trace.start[mask], s0, s1), np.clip(trace.end[mask], s0, s1))
+
+        comm = clipped((cls == "communication") & inside)
+        busy = clipped(
+            ((cls == "compute") & main | (cls == "data") | (cls == "optimizer")) & inside
+        )
+        starts, ends = subtract(comm, busy)
+        return float((ends - starts).sum()) / 1e3
+
+    fails(checks.check_exposed_communication, all_communication, "all of the communication")
+    fails(checks.check_exposed_communication, waiting_counts_as_compute, "too little")
+
+
+# ---- 04.2 bus bandwidth -----------------------------------------------------------------------
+
+FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+def bus_bandwidth(op, nbytes, seconds, n):
+    return nbytes / seconds / 1e9 * FACTORS[op](n)
+
+
+def test_04_2_bus_bandwidth(capsys):
+    checks.check_bus_bandwidth(bus_bandwidth)
+    assert "✓ exercise 04.2" in capsys.readouterr().out
+
+
+def test_04_2_typical_mistakes():
+    def algorithm_bandwidth(op, nbytes, seconds, n):
+        return nbytes / seconds / 1e9
+
+    def all_reduce_like_the_others(op, nbytes, seconds, n):
+        return nbytes / seconds / 1e9 * (1.0 if op == "broadcast" else (n - 1) / n)
+
+    first = 1.048576 * 2 * (2 - 1) / 2  # all_reduce, 1 MiB in 1 ms on 2 ranks, in GB/s
+    absent = [f"{first:.3g}", "2(n-1)/n", "2 (n - 1) / n"]
+    fails(checks.check_bus_bandwidth, algorithm_bandwidth, "algorithm bandwidth", absent)
+    fails(checks.check_bus_bandwidth, all_reduce_like_the_others, "send or receive", absent)
+
+
+def test_04_2_looking_the_factor_up_is_refused():
+    def looked_up(op, nbytes, seconds, n):  # collectives is imported in notebook 04
+        return nbytes / seconds / 1e9 * collectives.bus_factor(op, n)
+
+    original = collectives.bus_factor
+    fails(checks.check_bus_bandwidth, looked_up, "work out each collective's factor yourself")
+    assert collectives.bus_factor is original and collectives.bus_factor("broadcast", 4) == 1.0
+
+
+# ---- 05.1 1F1B order --------------------------------------------------------------------------
+
+
+def one_f_one_b(p, m):
+    orders = []
+    for s in range(p):
+        warm = min(p - s - 1, m)
+        acts = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            acts += [("F", warm + i), ("B", i)]
+        acts += [("B", i) for i in range(m - warm, m)]
+        orders.append(acts)
+    return orders
+
+
+def test_05_1_one_f_one_b(capsys):
+    checks.check_one_f_one_b(one_f_one_b)
+    assert "✓ exercise 05.1" in capsys.readouterr().out
+
+
+def test_05_1_typical_mistakes():
+    def gpipe(p, m):
+        return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
+
+    def one_backward_short(p, m):
+        return [acts[:-1] for acts in one_f_one_b(p, m)]
+
+    fails(checks.check_one_f_one_b, gpipe, "warm-up forwards", ["('B', 0)", "[("])
+    fails(checks.check_one_f_one_b, one_backward_short, "exactly one F and one B", ["[("])
+
+
+def test_05_1_asking_the_simulator_is_refused():
+    def from_order(p, m):  # _order is imported in notebook 05, as in this module
+        return [[(a.kind, a.micro) for a in acts] for acts in _order("1f1b", p, m, 1)]
+
+    def from_simulate(p, m):
+        return [[(a.kind, a.micro) for a in acts] for acts in simulate("1f1b", p, m).order]
+
+    assert from_order(3, 5) == one_f_one_b(3, 5)  # both would pass without the guard
+    for answer in (from_order, from_simulate):
+        fails(checks.check_one_f_one_b, answer, "asked the simulator")
+    # restored afterwards, here and in the package
+    simulate_module = importlib.import_module("course_utils.pipeline.simulate")
+    assert globals()["_order"] is simulate_module._order
+    assert from_simulate(3, 5) == from_order(3, 5) == one_f_one_b(3, 5)
+
+
+# ---- 05.2 balanced stages ---------------------------------------------------------------------
+
+
+def balanced_split(costs, p):
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(p + 1)]
+    cut = [[0] * (n + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for k in range(1, p + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                worst = max(best[k - 1][i], prefix[j] - prefix[i])
+                if worst < best[k][j]:
+                    best[k][j], cut[k][j] = worst, i
+    bounds, j = [], n
+    for k in range(p, 0, -1):
+        bounds.append((cut[k][j], j))
+        j = cut[k][j]
+    return bounds[::-1]
+
+
+def test_05_2_balanced_split(capsys):
+    checks.check_balanced_split(balanced_split)
+    assert "✓ exercise 05.2" in capsys.readouterr().out
+
+
+def test_05_2_typical_mistakes():
+    def equal_layer_counts(costs, p):  # as many layers per stage, whatever they cost
+        edges = [round(i * len(costs) / p) for i in range(p + 1)]
+        return list(zip(edges, edges[1:]))
+
+    def overlapping(costs, p):
+        return [(a, b + 1 if b < len(costs) else b) for a, b in balanced_split(costs, p)]
+
+    best = reference_split([8, 1, 1, 1, 1, 1, 1, 1, 1], 2)
+    fails(checks.check_balanced_split, equal_layer_counts, "a split exists", [best])
+    fails(checks.check_balanced_split, overlapping, "where the previous one ends")
+
+
+# ---- 08.1 the padding arithmetic, 08.2 stage 1's step -----------------------------------------
+
+
+def shard_bounds(numel, n, rank):
+    shard = -(-numel // n)
+    return rank * shard, (rank + 1) * shard, shard * n - numel
+
+
+def test_08_1_shard_bounds(capsys):
+    checks.check_shard_bounds(shard_bounds)
+    assert "✓ exercise 08.1" in capsys.readouterr().out
+
+
+def test_08_1_typical_mistakes():
+    def floor_division(numel, n, rank):  # drops the remainder: the shards miss numbers
+        s = numel // n
+        return rank * s, (rank + 1) * s, 0
+
+    def padding_per_rank(numel, n, rank):
+        s = -(-numel // n)
+        return rank * s, (rank + 1) * s, s - numel // n
+
+    fails(checks.check_shard_bounds, floor_division, "round up")
+    fails(checks.check_shard_bounds, padding_per_rank, "the padded buffer is n shards long")
+
+
+def via_package(numel, n, rank):
+    from course_utils.zero import flat
+
+    s = flat.padded_numel(numel, n) // n
+    return rank * s, (rank + 1) * s, flat.padded_numel(numel, n) - numel
+
+
+def test_08_1_the_package_is_refused():
+    fails(checks.check_shard_bounds, via_package, "without course_utils.zero.flat")
+
+
+def zero1_step(flat_params, flat_grads, shard, optimizer):
+    grad = torch.empty_like(shard)
+    dist.reduce_scatter_tensor(grad, flat_grads)
+    shard.grad = grad / dist.get_world_size()
+    optimizer.step()
+    dist.all_gather_into_tensor(flat_params, shard.detach().clone())
+
+
+def zero1_sum(flat_params, flat_grads, shard, optimizer):
+    grad = torch.empty_like(shard)
+    dist.reduce_scatter_tensor(grad, flat_grads)
+    shard.grad = grad  # the sum, not the mean
+    optimizer.step()
+    dist.all_gather_into_tensor(flat_params, shard.detach().clone())
+
+
+def zero1_all_reduce(flat_params, flat_grads, shard, optimizer):
+    n, r = dist.get_world_size(), dist.get_rank()
+    dist.all_reduce(flat_grads)
+    s = flat_grads.numel() // n
+    shard.grad = flat_grads[r * s : (r + 1) * s] / n
+    optimizer.step()
+    dist.all_gather_into_tensor(flat_params, shard.detach().clone())
+
+
+def zero1_no_gather(flat_params, flat_grads, shard, optimizer):
+    grad = torch.empty_like(shard)
+    dist.reduce_scatter_tensor(grad, flat_grads)
+    shard.grad = grad / dist.get_world_size()
+    optimizer.step()
+
+
+@pytest.mark.multiprocess
+def test_08_2_zero1_step(runs_root, capsys):
+    checks.check_zero1_step(zero1_step)
+    assert "✓ exercise 08.2" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_08_2_typical_mistakes(runs_root):
+    fails(checks.check_zero1_step, zero1_sum, "did you divide by n", ["tensor("])
+    fails(
+        checks.check_zero1_step, zero1_all_reduce, "Reduce-scatter sends each rank only its shard"
+    )
+    fails(checks.check_zero1_step, zero1_no_gather, "all-gather every rank's shard")
