@@ -8,6 +8,7 @@ What differs between the floor and the tested version, and is bridged here:
 
 * :func:`pipeline_schedule`: ``scale_grads`` of the pipelining schedules (absent in 2.6);
 * :func:`pipelining_unsupported`: 2.6's 1F1B schedules hang on gloo;
+* :func:`fsdp2_unsupported`: 2.6's FSDP2 runs on accelerators only (its CPU stream lacks events);
 * :func:`tensor_factories`: a private list of tensor factories (``COURSE_CHECK_DEVICES``).
 
 Code elsewhere in the package imports a moved API from here, never by version checks of its own.
@@ -92,6 +93,25 @@ def pipelining_unsupported(schedule: str, backend: str) -> str | None:
     return None
 
 
+def fsdp2_unsupported(device_type: str) -> str | None:
+    """Why FSDP2's ``fully_shard`` cannot run on ``device_type`` with this torch, or None.
+
+    FSDP2 records events on its all-gather and reduce-scatter streams. torch 2.6's CPU stream has
+    no ``record_event``/``wait_event`` (they became no-ops in 2.7, pytorch PR 145935), so a CPU
+    model wrapped by ``fully_shard`` fails at its first forward with "'Stream' object has no
+    attribute 'record_event'". On GPUs it works from 2.6.
+    """
+    import torch
+
+    if device_type == "cpu" and version_tuple(torch.__version__) < (2, 7):
+        return (
+            f"FSDP2 (fully_shard) runs on CPU ranks from torch 2.7; this is torch "
+            f"{torch.__version__}, whose CPU stream has no events. Run it on GPUs, use the "
+            "course's ShardedModel (ZeRO-3), or torch 2.14.1 (make setup)."
+        )
+    return None
+
+
 def pipeline_losses(sched, losses: list) -> list[float]:
     """The micro-batch losses a schedule from :func:`pipeline_schedule` returned, as floats."""
     scale = getattr(sched, "_course_loss_scale", 1)
@@ -107,4 +127,5 @@ __all__ = [
     "pipeline_schedule",
     "pipeline_losses",
     "pipelining_unsupported",
+    "fsdp2_unsupported",
 ]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from course_utils import launch
+from course_utils.compat import fsdp2_unsupported
 from course_utils.zero import model_state_bytes
 from course_utils.zero.run import parity_many
 
@@ -130,12 +131,24 @@ def test_stage3_holds_its_shards_plus_one_unit_at_a_time(runs_root):
 @pytest.mark.multiprocess
 def test_torch_zero_redundancy_and_fsdp2_equal_one_process(runs_root):
     cases = [("mlp", "adam", torch.float64), ("frozen", "sgd", torch.float64)]
-    for method in ("ddp", "zero-redundancy", "fsdp2"):
+    methods = ("ddp", "zero-redundancy") + (() if fsdp2_unsupported("cpu") else ("fsdp2",))
+    for method in methods:
         for r in launch(
             parity_many, 2, method=method, cases=cases, echo=False, timeout=180
         ).results:
             for case, out in zip(cases, r):
                 assert max(out["diffs"]) <= 1e-12, (method, case, out["diffs"])
+
+
+def test_fsdp2_on_cpu_is_refused_below_torch_2_7_with_the_way_out(monkeypatch):
+    import course_utils.compat as compat
+
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cpu")
+    why = compat.fsdp2_unsupported("cpu")
+    assert "torch 2.7" in why and "2.6.0" in why and "ShardedModel" in why
+    assert compat.fsdp2_unsupported("cuda") is None
+    monkeypatch.setattr(torch, "__version__", "2.7.1")
+    assert compat.fsdp2_unsupported("cpu") is None
 
 
 def test_refusals_say_what_to_do():

@@ -20,6 +20,7 @@ import statistics
 import torch
 from torch.nn import functional as F
 
+from ..compat import fsdp2_unsupported
 from ..measure import time_steps
 from ..models import GPT, GPTConfig
 from ..zero import count_model_states, model_state_bytes, traffic
@@ -70,19 +71,24 @@ def run(
 
     c = {**DEFAULTS, **sizes}
     psi = sum(p.numel() for p in GPT(_config(c)).parameters())
-    rows, backend = [], None
+    rows, backend, skipped = [], None, {}
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for n in world_sizes:
-        samples = {m: [] for m in methods}
+        device_type = device if device != "auto" else ("cuda" if n_gpu >= n else "cpu")
+        if "fsdp2" in methods and fsdp2_unsupported(device_type):
+            skipped["fsdp2"] = fsdp2_unsupported(device_type)
+        methods_n = tuple(m for m in methods if m not in skipped)
+        samples = {m: [] for m in methods_n}
         last = {}
         for i in range(rounds):
-            for m in methods if i % 2 == 0 else methods[::-1]:
+            for m in methods_n if i % 2 == 0 else methods_n[::-1]:
                 res = launch(
                     step_worker, n, method=m, device=device, echo=False, progress=False, **c
                 )
                 samples[m].append(max(r["s"] for r in res.results) * 1e3)
                 last[m] = res.results
                 backend = res.backend
-        for m in methods:
+        for m in methods_n:
             rows.append({
                 "n": n, "method": m, "median_ms": statistics.median(samples[m]), "samples_ms": samples[m],
                 "states_bytes": max(r["states"] for r in last[m]),
@@ -90,7 +96,7 @@ def run(
                 "volume_per_psi": max(r["volume"] for r in last[m]) / (4 * psi),
             })  # fmt: skip
     return {"world_sizes": list(world_sizes), "rounds": rounds, "backend": backend, "psi": psi,
-            "rows": rows, "config": {**c, "dtype": "float32", "optimizer": "Adam"},
+            "rows": rows, "skipped": skipped, "config": {**c, "dtype": "float32", "optimizer": "Adam"},
             **provenance()}  # fmt: skip
 
 
@@ -128,4 +134,6 @@ def table(r: dict) -> str:
             out.append(
                 f"\nn={n}: throughput from-scratch ZeRO-3 / FSDP2 = **{q:.2f}×** (target ≥ 0.9)"
             )
+    for m, why in r.get("skipped", {}).items():
+        out.append(f"\n{m} not run: {why}")
     return "\n".join(out)

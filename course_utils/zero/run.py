@@ -69,6 +69,11 @@ def wrap(method: str, model: nn.Module, optimizer: str, device: torch.device, un
     if method == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
+        from ..compat import fsdp2_unsupported
+
+        why = fsdp2_unsupported(torch.device(device).type)
+        if why:
+            raise RuntimeError(why)
         mesh = cpu_or_device_mesh(device)
         for m in (
             units if units is not None else [m for m in model.modules() if isinstance(m, nn.Linear)]
