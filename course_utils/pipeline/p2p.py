@@ -26,7 +26,8 @@ import torch.distributed as dist
 class Mailbox:
     """One stage's outgoing sends, batched with its next receive."""
 
-    def __init__(self):
+    def __init__(self, group=None):
+        self.group = group  # the pipeline's process group; peers are global ranks
         self.outgoing: list[tuple[torch.Tensor, int]] = []  # (tensor, destination rank)
         self.in_flight: list[tuple[object, list[torch.Tensor]]] = []  # (work, tensors it uses)
 
@@ -35,7 +36,7 @@ class Mailbox:
         self.outgoing.append((tensor.detach().contiguous(), dst))
 
     def _post(self, recv: dist.P2POp | None = None) -> list:
-        ops = [dist.P2POp(dist.isend, t, dst) for t, dst in self.outgoing]
+        ops = [dist.P2POp(dist.isend, t, dst, self.group) for t, dst in self.outgoing]
         if recv is not None:
             ops.append(recv)
         tensors = [t for t, _ in self.outgoing]
@@ -46,7 +47,7 @@ class Mailbox:
         """Receive a tensor of known ``shape`` and ``dtype`` from ``src``, sending what waits."""
         buf = torch.empty(shape, dtype=dtype, device=device)
         # On NCCL the batch's works are coalesced into one: wait for all of it.
-        for work, _ in self._post(dist.P2POp(dist.irecv, buf, src)):
+        for work, _ in self._post(dist.P2POp(dist.irecv, buf, src, self.group)):
             work.wait()
         return buf
 

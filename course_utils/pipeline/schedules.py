@@ -36,13 +36,29 @@ class StageRunner:
     """Stage ``stage`` of ``p``: its layers, its neighbours' shapes, and the micro-batches in flight."""
 
     def __init__(
-        self, module: nn.Module, stage: int, p: int, in_shape, out_shape, dtype, device, loss_fn
+        self,
+        module: nn.Module,
+        stage: int,
+        p: int,
+        in_shape,
+        out_shape,
+        dtype,
+        device,
+        loss_fn,
+        peers: list[int] | None = None,
+        group=None,
     ):
+        """``peers[s]`` is the global rank that runs stage ``s`` (default: rank ``s``); ``group``
+        the pipeline's process group (default: every rank). With 3D parallelism (notebook 07)
+        each pipeline is one PP group, e.g. ranks ``[1, 5]`` of 8."""
         self.module, self.stage, self.p = module, stage, p
         self.in_shape, self.out_shape = in_shape, out_shape
         self.dtype, self.device, self.loss_fn = dtype, device, loss_fn
         self.first, self.last = stage == 0, stage == p - 1
-        self.mailbox = p2p.Mailbox()
+        self.peers = list(peers) if peers is not None else list(range(p))
+        if len(self.peers) != p:
+            raise ValueError(f"peers {self.peers} must name one rank per stage ({p} stages)")
+        self.mailbox = p2p.Mailbox(group)
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.held: dict[int, int] = {}
@@ -56,7 +72,7 @@ class StageRunner:
                 inp = x
             else:
                 inp = self.mailbox.recv(
-                    self.in_shape, self.dtype, self.device, self.stage - 1
+                    self.in_shape, self.dtype, self.device, self.peers[self.stage - 1]
                 ).requires_grad_()
             with saved_activations() as mem:
                 out = self.module(inp)  # (B/m, ...) -> (B/m, ...)
@@ -65,7 +81,7 @@ class StageRunner:
                         self.loss_fn(out, y) / m
                     )  # scalar: this micro-batch's share of the mean loss
             if not self.last:
-                self.mailbox.send(out, self.stage + 1)
+                self.mailbox.send(out, self.peers[self.stage + 1])
             self.inputs[i], self.outputs[i] = inp, out
             self.held[i] = mem["bytes"]
             self.micro_bytes.append(mem["bytes"])
@@ -79,11 +95,13 @@ class StageRunner:
                 self.mailbox.flush()
                 out.backward()
             else:
-                grad = self.mailbox.recv(self.out_shape, self.dtype, self.device, self.stage + 1)
+                grad = self.mailbox.recv(
+                    self.out_shape, self.dtype, self.device, self.peers[self.stage + 1]
+                )
                 out.backward(grad)
             inp = self.inputs.pop(i)
             if not self.first:
-                self.mailbox.send(inp.grad, self.stage - 1)
+                self.mailbox.send(inp.grad, self.peers[self.stage - 1])
             self.held_bytes -= self.held.pop(i)
 
     def finish(self) -> None:

@@ -1,0 +1,149 @@
+"""3D parallelism: the rank grid (Megatron-Core's example), its refusals, and DP × PP × TP on one GPT
+equal to one process in float64, from scratch and with torch's DeviceMesh, FSDP2 and pipelining."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from course_utils import launch
+from course_utils.compat import fsdp2_unsupported
+from course_utils.models import GPT, GPTConfig
+from course_utils.parallel3d import (
+    GPTStage,
+    check_shape,
+    compose_worker,
+    stage_bounds,
+    torch_compose_worker,
+)
+from course_utils.topology import ParallelDims
+
+
+def test_megatron_core_example_16_gpus_tp2_pp4():
+    d = ParallelDims(dp=2, pp=4, tp=2, world_size=16)
+    assert d.group_ranks("tp") == [[2 * i, 2 * i + 1] for i in range(8)]
+    assert d.group_ranks("dp") == [
+        [0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]
+    ]  # fmt: skip
+    assert d.group_ranks("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 4, 1), (3, 2, 5)])
+def test_coords_and_groups_partition_the_grid(dp, pp, tp):
+    d = ParallelDims(dp, pp, tp)
+    for r in range(d.size):
+        c = d.coords(r)
+        assert d.rank(c.dp, c.pp, c.tp) == r
+        assert r == (c.pp * dp + c.dp) * tp + c.tp  # TP innermost, then DP, PP outermost
+    for dim in ("tp", "pp", "dp"):
+        groups = d.group_ranks(dim)
+        assert sorted(itertools.chain(*groups)) == list(range(d.size))  # every rank exactly once
+        assert all(len(g) == d.degree(dim) for g in groups)
+        for g in groups:  # members agree on every other coordinate
+            others = {tuple(v for k, v in d.coords(r)._asdict().items() if k != dim) for r in g}
+            assert len(others) == 1
+    assert all(g == list(range(g[0], g[0] + tp)) for g in d.group_ranks("tp"))  # adjacent ranks
+
+
+def test_refusals_give_the_numbers():
+    with pytest.raises(ValueError, match=r"dp=2 × pp=4 × tp=2 = 16, but world_size is 8"):
+        ParallelDims(dp=2, pp=4, tp=2, world_size=8)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="tp must be a whole number"):
+            ParallelDims(1, 1, bad)
+    d = ParallelDims(2, 2, 2)
+    with pytest.raises(ValueError, match=r"rank 8 is outside 0\.\.7"):
+        d.coords(8)
+    with pytest.raises(ValueError, match="dim must be one of"):
+        d.group_ranks("ep")
+    with pytest.raises(RuntimeError, match="inside a rank"):
+        d.build()
+    cfg = GPTConfig(vocab=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
+    with pytest.raises(ValueError, match="pp=3 stages for 2 layers"):
+        check_shape(ParallelDims(1, 3, 1), cfg, 8, 1)
+    with pytest.raises(ValueError, match="tp=8 must divide the model's n_heads=4"):
+        check_shape(ParallelDims(1, 1, 8), cfg, 8, 1)
+    with pytest.raises(ValueError, match=r"global batch 6 must split into dp=2 replicas × 2"):
+        check_shape(ParallelDims(2, 1, 1), cfg, 6, 2)
+
+
+def test_stages_cover_the_model_once_and_keep_its_names():
+    assert stage_bounds(4, 2) == [(0, 2), (2, 4)]
+    assert stage_bounds(4, 3) == [(0, 1), (1, 3), (3, 4)]  # the extra block on a middle stage
+    assert stage_bounds(5, 3) == [(0, 2), (2, 4), (4, 5)]
+    cfg = GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=5)
+    model = GPT(cfg).double()
+    stages = [GPTStage(model, a, b, s == 0, s == 2) for s, (a, b) in enumerate(stage_bounds(5, 3))]
+    names = [n for st in stages for n, _ in st.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    x = torch.randint(cfg.vocab, (2, cfg.seq_len))
+    h = x
+    for st in stages:
+        h = st(h)
+    assert torch.equal(h, model(x))
+
+
+def _check(results, tol=1e-12):
+    for r in results:
+        assert len(r["diffs"]) == 2 and max(r["diffs"]) <= tol, r
+    last = [r for r in results if r["loss_diffs"]]
+    assert last and max(max(r["loss_diffs"]) for r in last) <= tol
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "dp,pp,tp,dp_method,schedule",
+    [(2, 2, 2, "ddp", "1f1b"), (2, 2, 2, "zero1", "gpipe"), (1, 4, 2, "ddp", "1f1b"),
+     (4, 2, 1, "zero1", "1f1b")],
+)  # fmt: skip
+def test_from_scratch_3d_equals_one_process(runs_root, dp, pp, tp, dp_method, schedule):
+    res = launch(
+        compose_worker, dp * pp * tp, dp=dp, pp=pp, tp=tp, dp_method=dp_method,
+        schedule=schedule, echo=False, timeout=300,
+    )  # fmt: skip
+    _check(res.results)
+    d = ParallelDims(dp, pp, tp)
+    for rank, r in enumerate(res.results):
+        assert tuple(r["coords"]) == d.coords(rank)
+        for dim in ("tp", "pp", "dp"):  # the groups built are the grid's
+            assert r["ranks"][dim] in d.group_ranks(dim)
+            assert rank in r["ranks"][dim]
+    # every stage holds its share: TP ranks of one stage hold equal shards, stages differ
+    blocks = {tuple(r["blocks"]) for r in res.results}
+    assert sorted(itertools.chain(*blocks)) == [str(i) for i in range(4)]
+
+
+@pytest.mark.multiprocess
+def test_3d_without_the_dp_average_is_caught(runs_root):
+    """The parity check is strong enough: the same run with DP's gradient average removed
+    (each replica steps on its own half of the batch) differs from one process."""
+    res = launch(_compose_without_dp_average, 4, dp=2, pp=2, tp=1, echo=False, timeout=300)
+    assert max(max(r["diffs"]) for r in res.results) > 1e-4
+
+
+def _compose_without_dp_average(ctx, **kw):
+    import torch.distributed as dist
+
+    real = dist.all_reduce
+
+    def skip_dp(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if group is not None and dist.get_process_group_ranks(group) in ([0, 1], [2, 3]):
+            return None  # the DP groups of a 2 × 2 × 1 grid: the gradient average is skipped
+        return real(t, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = skip_dp
+    return compose_worker(ctx, **kw)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(bool(fsdp2_unsupported("cpu")), reason="FSDP2 has no CPU path on this torch")
+def test_torch_native_3d_equals_one_process(runs_root):
+    res = launch(torch_compose_worker, 8, dp=2, pp=2, tp=2, echo=False, timeout=300)
+    _check(res.results)
+    d = ParallelDims(2, 2, 2)
+    for rank, r in enumerate(res.results):
+        assert r["dtensor"]  # the parameters really are sharded DTensors
+        for dim in ("tp", "pp", "dp"):  # DeviceMesh("pp", "dp", "tp") builds ParallelDims' groups
+            assert r["mesh_ranks"][dim] in d.group_ranks(dim) and rank in r["mesh_ranks"][dim]
