@@ -559,6 +559,55 @@ def shard_bounds(numel, n, rank):
     return rank * shard, (rank + 1) * shard, shard * n - numel
 
 
+def coords(rank, dp, pp, tp):
+    return rank // tp % dp, rank // (tp * dp), rank % tp
+
+
+def links(dp, pp, tp, gpus_per_node):
+    from course_utils.topology import ParallelDims
+
+    d = ParallelDims(dp, pp, tp)
+    return {
+        dim: "intra"
+        if all(len({r // gpus_per_node for r in g}) == 1 for g in d.group_ranks(dim))
+        else "inter"
+        for dim in ("tp", "pp", "dp")
+    }
+
+
+def test_07_1_coords_and_07_2_links(capsys):
+    checks.check_coords(coords)
+    checks.check_links(links)
+    out = capsys.readouterr().out
+    assert "✓ exercise 07.1" in out and "✓ exercise 07.2" in out
+
+
+def test_07_typical_mistakes():
+    def pp_inside_dp(rank, dp, pp, tp):  # DP outermost: Megatron's order has PP outermost
+        return rank // (tp * pp), rank // tp % pp, rank % tp
+
+    def tp_outermost(rank, dp, pp, tp):
+        return rank % dp, rank // dp % pp, rank // (dp * pp)
+
+    def via_package(rank, dp, pp, tp):
+        from course_utils.topology import ParallelDims
+
+        return tuple(ParallelDims(dp, pp, tp).coords(rank))
+
+    def by_world_size(dp, pp, tp, g):  # the whole run fits in a node, else everything crosses
+        return {d: "intra" if dp * pp * tp <= g else "inter" for d in ("tp", "pp", "dp")}
+
+    def ignores_boundaries(dp, pp, tp, g):  # a group smaller than a node may still straddle two
+        span = {"tp": tp, "dp": dp * tp if dp > 1 else 1, "pp": dp * pp * tp if pp > 1 else 1}
+        return {d: "intra" if span[d] <= g else "inter" for d in span}
+
+    fails(checks.check_coords, pp_inside_dp, "DP comes before PP")
+    fails(checks.check_coords, tp_outermost, "TP is the innermost")
+    fails(checks.check_coords, via_package, "without ParallelDims.coords")
+    fails(checks.check_links, by_world_size, "lies inside one node")
+    fails(checks.check_links, ignores_boundaries, "spans more than one node")
+
+
 def test_08_1_shard_bounds(capsys):
     checks.check_shard_bounds(shard_bounds)
     assert "✓ exercise 08.1" in capsys.readouterr().out

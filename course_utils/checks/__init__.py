@@ -14,6 +14,7 @@ Exercises, by notebook (``python -m course_utils copies --kind student`` removes
 - 04: :func:`check_exposed_communication`, :func:`check_bus_bandwidth`
 - 05: :func:`check_one_f_one_b`, :func:`check_balanced_split`
 - 06: :func:`check_row_parallel_linear`, :func:`check_qkv_shard`
+- 07: :func:`check_coords`, :func:`check_links`
 - 08: :func:`check_shard_bounds`, :func:`check_zero1_step`
 """
 
@@ -24,14 +25,17 @@ from .nb03 import check_ddp_unused_parameters, check_ring_all_reduce
 from .nb04 import check_bus_bandwidth, check_exposed_communication
 from .nb05 import check_balanced_split, check_one_f_one_b
 from .nb06 import check_qkv_shard, check_row_parallel_linear
+from .nb07 import check_coords, check_links
 from .nb08 import check_shard_bounds, check_zero1_step
 
 __all__ = [
     "ExerciseError",
     "check_balanced_split",
     "check_bus_bandwidth",
+    "check_coords",
     "check_ddp_unused_parameters",
     "check_exposed_communication",
+    "check_links",
     "check_mlp_activation_bytes",
     "check_one_f_one_b",
     "check_qkv_shard",
