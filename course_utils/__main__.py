@@ -81,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     zb.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="N")
     zb.add_argument("--rounds", type=int, default=3)
     zb.add_argument("--json", action="store_true")
+    b3 = bsub.add_parser(
+        "3d",
+        help="every dp x pp x tp layout of 8 ranks: measured step time and memory vs the planner",
+    )
+    b3.add_argument("--rounds", type=int, default=1)
+    b3.add_argument("--json", action="store_true")
     t = bsub.add_parser("traces", help="parse + analyse speed on 8 generated ~50 MB rank traces")
     t.add_argument("--ranks", type=int, default=8)
     t.add_argument("--mb", type=float, default=50.0, help="size of each trace")
@@ -160,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
                 result = bench_zero.run(args.world_sizes, args.rounds)
             print(json.dumps(result, indent=2) if args.json else bench_zero.table(result))
+        elif args.bench_cmd == "3d":
+            from .bench import threed as bench_3d
+
+            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+                result = bench_3d.run(args.rounds)
+            print(json.dumps(result, indent=2) if args.json else bench_3d.table(result))
         else:
             from .bench import traces as bench_traces
 
