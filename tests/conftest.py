@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,14 @@ if _kernels not in os.environ.get("JUPYTER_PATH", "").split(os.pathsep):
     os.environ["JUPYTER_PATH"] = os.pathsep.join(
         filter(None, [_kernels, os.environ.get("JUPYTER_PATH")])
     )
+
+
+# A test run started in the background of a non-interactive shell (`cmd &`, as some CI harnesses
+# do) inherits SIGINT ignored, and Python then leaves it ignored: the tests that press Ctrl-C
+# (SIGINT to this process, as Jupyter's interrupt does) would see nothing. Give SIGINT its usual
+# meaning, KeyboardInterrupt, as in a terminal or a notebook kernel.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
