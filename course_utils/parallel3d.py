@@ -146,6 +146,23 @@ def average_gradients(params, group) -> None:
         offset += g.numel()
 
 
+def _reference_step(ref, opt, x, y) -> float:
+    """One SGD step of the single-process reference on the whole batch; its loss."""
+    loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _loss_diff(losses: list[float], group, dp: int, ref_loss: float, device) -> float:
+    """|the batch's mean loss - the reference's|: this replica's mean over its micro-batches,
+    averaged over the ``dp`` replicas of the DP ``group``."""
+    mine = torch.tensor(sum(losses) / len(losses), dtype=torch.float64, device=device)
+    dist.all_reduce(mine, group=group)
+    return abs(mine.item() / dp - ref_loss)
+
+
 def _max_diff(pairs) -> float:
     return max((float((a - b).abs().max()) for a, b in pairs), default=0.0)
 
@@ -227,14 +244,9 @@ def compose_worker(
         ctx.step()
         if not reference:
             continue
-        ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        if stage.last:  # this replica's mean loss, averaged over the replicas: the batch's mean
-            mine = torch.tensor(sum(losses) / len(losses), dtype=torch.float64, device=ctx.device)
-            dist.all_reduce(mine, group=groups.dp)
-            loss_diffs.append(abs(mine.item() / dp - ref_loss.item()))
+        ref_loss = _reference_step(ref, ref_opt, x, y)
+        if stage.last:
+            loss_diffs.append(_loss_diff(losses, groups.dp, dp, ref_loss, ctx.device))
         pairs = [
             (p, shard_like(ref.get_parameter(n), p, groups.tp)) for n, p in stage.named_parameters()
         ]
@@ -344,15 +356,10 @@ def torch_compose_worker(
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
         ctx.step()
-        ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_loss = _reference_step(ref, ref_opt, x, y)
         if stage.last:
             values = pipeline_losses(sched, losses)
-            mine = torch.tensor(sum(values) / len(values), dtype=torch.float64, device=ctx.device)
-            dist.all_reduce(mine, group=mesh["dp"].get_group())
-            loss_diffs.append(abs(mine.item() / dp - ref_loss.item()))
+            loss_diffs.append(_loss_diff(values, mesh["dp"].get_group(), dp, ref_loss, ctx.device))
         pairs = [
             (p.full_tensor() if hasattr(p, "full_tensor") else p, ref.get_parameter(n))
             for n, p in stage.named_parameters()
