@@ -164,7 +164,7 @@ def _loss_diff(losses: list[float], group, dp: int, ref_loss: float, device) -> 
 
 
 def _max_diff(pairs) -> float:
-    return max((float((a - b).abs().max()) for a, b in pairs), default=0.0)
+    return max((float((a - b).detach().abs().max()) for a, b in pairs), default=0.0)
 
 
 def compose_worker(

@@ -1,0 +1,263 @@
+"""DDP on CIFAR-100 with the course's ResNet (the lectures' workload), AMP and the profiler schedule.
+
+Under any launcher::
+
+    torchrun --standalone --nproc-per-node 4 train/ddp.py --size gpu --data-dir /scratch/data
+    srun --ntasks-per-node 4 --gpus-per-task 1 python train/ddp.py --job-dir runs/job-$SLURM_JOB_ID
+
+What it does, and where notebooks teach it: :class:`~course_utils.models.SmallResNet` (01) wrapped in
+torch's ``DistributedDataParallel`` (03); a ``DistributedSampler`` whose ``set_epoch`` reshuffles
+every epoch the same way on every rank (03); AMP on GPUs, bfloat16 where supported, else float16
+with a gradient scaler (01); the profiler's ``wait, warmup, active`` schedule writing one trace per
+rank and a TensorBoard copy (04). Rank 0 writes a checkpoint after every epoch; a second run with
+the same ``--job-dir`` resumes from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from .. import dist as cdist
+from ..data import load_dataset
+from ..models import SmallResNet
+from . import common
+
+
+def arguments(argv=None):
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--dataset", default="cifar100", help="cifar100 (default), cifar10")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
+    p.add_argument(
+        "--amp",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="mixed precision: auto = on GPUs (bf16, else fp16 + scaler), off on CPU; "
+        "on = also bfloat16 autocast on CPU",
+    )
+    p.add_argument("--workers", type=int, default=None, help="DataLoader workers per rank")
+    return p.parse_args(argv)
+
+
+def amp_setup(device: torch.device, mode: str):
+    """(autocast context factory, GradScaler or None, dtype name) for ``--amp``."""
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return contextlib.nullcontext, None, "float32"
+    if device.type == "cuda":
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    else:
+        dtype = torch.bfloat16  # CPU autocast speaks bfloat16
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+    return (
+        lambda: torch.autocast(device.type, dtype=dtype),
+        scaler,
+        str(dtype).removeprefix("torch."),
+    )
+
+
+class DDPStrategy:
+    """How the model is made data parallel, and how its state is saved and loaded.
+
+    :mod:`course_utils.train.zero` supplies FSDP2 and ZeRO strategies with the same three methods.
+    """
+
+    name = "ddp"
+
+    def build(self, net: nn.Module, ctx, args):
+        """(the module to call, its optimizer)."""
+        model = DDP(net, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+        return model, opt
+
+    def state(self, net, model, opt) -> tuple[dict, dict]:
+        """(model state, optimizer state) complete on rank 0; every rank calls it."""
+        return net.state_dict(), opt.state_dict()
+
+    def load(self, net, model, opt, model_state: dict, opt_state: dict) -> None:
+        net.load_state_dict(model_state)
+        opt.load_state_dict(opt_state)
+
+
+def main(argv=None, strategy=None) -> dict:
+    args = arguments(argv)
+    size = common.size_of(args)
+    ctx = cdist.init(args.backend)
+    try:
+        result = train(ctx, args, size, strategy or DDPStrategy())
+        common.barrier(ctx)  # every rank's collectives are done before the group is destroyed
+        return result
+    finally:
+        cdist.cleanup()
+
+
+def train(ctx, args, size, strategy) -> dict:
+    folder = common.job_dir(ctx, args)
+    data_dir = args.data_dir
+    if args.stage_to:
+        data_dir = common.stage_locally(ctx, data_dir, args.stage_to)
+    train_set = load_dataset(
+        args.dataset,
+        limit=size.train_samples,
+        root=data_dir,
+        augment=True,
+        verify=not args.no_verify,
+    )
+    test_set = load_dataset(
+        args.dataset, train=False, limit=size.test_samples, root=data_dir, verify=not args.no_verify
+    )
+    common.same_data_everywhere(ctx, train_set)
+    cdist.print0(f"data: {train_set!r}")
+    if size.batch_size % ctx.world_size:
+        raise SystemExit(
+            f"the global batch {size.batch_size} of size '{size.name}' does not split over "
+            f"{ctx.world_size} ranks: pick a world size that divides it"
+        )
+    per_rank = size.batch_size // ctx.world_size
+    workers = size.num_workers if args.workers is None else args.workers
+    sampler = DistributedSampler(
+        train_set.dataset, num_replicas=ctx.world_size, rank=ctx.rank, seed=args.seed
+    )
+    pin = ctx.device.type == "cuda"
+    loader = DataLoader(
+        train_set.dataset,
+        batch_size=per_rank,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=pin,
+        persistent_workers=workers > 0,
+    )
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts)
+    net = SmallResNet(
+        num_classes=train_set.num_classes, width=size.width, in_channels=train_set.shape[0]
+    ).to(ctx.device)
+    model, opt = strategy.build(net, ctx, args)
+    autocast, scaler, amp_dtype = amp_setup(ctx.device, args.amp)
+    epochs = args.epochs or size.epochs
+
+    start_epoch, step, losses = 0, 0, []
+    state = common.load_checkpoint(folder, ctx.device)
+    if state is not None:
+        if state.get("strategy", "ddp") != strategy.name:
+            raise SystemExit(
+                f"{folder / common.CHECKPOINT} was written by the {state['strategy']} script, not "
+                f"{strategy.name}: give this job its own --job-dir"
+            )
+        strategy.load(net, model, opt, state["model"], state["optimizer"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        start_epoch, step, losses = state["epoch"], state["step"], list(state["losses"])
+        cdist.print0(f"resumed from {folder / common.CHECKPOINT}: epoch {start_epoch}, step {step}")
+
+    metrics = common.Metrics(ctx, folder)
+    total = epochs * len(loader)
+    t0 = time.perf_counter()
+    with common.Profiler(ctx, folder, common.profile_config(args.profile)) as prof:
+        for epoch in range(start_epoch, epochs):
+            sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+            for x, y in loader:
+                x = x.to(ctx.device, non_blocking=pin)
+                y = y.to(ctx.device, non_blocking=pin)
+                with autocast():
+                    loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    opt.step()
+                step += 1
+                losses.append(common.global_mean(loss, ctx))
+                metrics.log(step=step, epoch=epoch, loss=losses[-1])
+                prof.step()
+                ctx.step(total=total)
+                if args.max_steps and step >= args.max_steps:
+                    break
+            model_state, opt_state = strategy.state(net, model, opt)
+            common.save_checkpoint(
+                ctx,
+                folder,
+                {
+                    "strategy": strategy.name,
+                    "model": model_state,
+                    "optimizer": opt_state,
+                    "scaler": scaler.state_dict() if scaler is not None else {},
+                    "epoch": epoch + 1,
+                    "step": step,
+                    "losses": losses,
+                },
+            )
+            cdist.print0(f"epoch {epoch}: step {step}, loss {losses[-1]:.4f}")
+            if args.max_steps and step >= args.max_steps:
+                break
+    seconds = time.perf_counter() - t0
+    metrics.close()
+    accuracy = evaluate(model, test_set.dataset, per_rank, ctx)
+    traces = gather(ctx, prof.trace)
+    result = {
+        "script": strategy.name,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "source": ctx.extras.get("source"),
+        "ranks": common.gather_where(ctx),
+        "size": size.name,
+        "data": repr(train_set),
+        "data_dir": str(data_dir) if data_dir else None,
+        "synthetic": train_set.synthetic,
+        "amp": amp_dtype,
+        "start_epoch": start_epoch,
+        "epochs": epochs,
+        "steps": step,
+        "losses": losses,
+        "test_accuracy": accuracy,
+        "seconds": seconds,
+        "traces": [t for t in traces if t],
+        "checkpoint": str(folder / common.CHECKPOINT),
+    }
+    common.write_result(ctx, folder, result)
+    cdist.print0(
+        f"done: {ctx.world_size} ranks, {step} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+        f"test accuracy {accuracy:.3f}; wrote {folder}"
+    )
+    return result
+
+
+def gather(ctx, value) -> list:
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, dataset, batch: int, ctx) -> float:
+    """Accuracy on the test set, each rank scoring its own share and the counts summed."""
+    import torch.distributed as dist
+
+    model.eval()
+    mine = Subset(dataset, range(ctx.rank, len(dataset), ctx.world_size))  # each image once
+    counts = torch.zeros(2, device=ctx.device)
+    for x, y in DataLoader(mine, batch_size=batch):
+        pred = model(x.to(ctx.device)).argmax(1)
+        counts[0] += (pred == y.to(ctx.device)).sum()
+        counts[1] += y.numel()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    common.exit_now()
