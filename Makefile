@@ -13,7 +13,7 @@ KSPEC  := $(VENV)/share/jupyter/kernels/$(KERNEL)/kernel.json
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export JUPYTER_PATH := $(CURDIR)/$(VENV)/share/jupyter$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
 
-.PHONY: help setup hub-env lab update course student answers test test-fast test-floor test-contended lint format doctor clean FORCE
+.PHONY: help setup hub-env lab update course student answers test test-fast test-floor test-contended preflight lint format doctor clean FORCE
 COPIES ?= student
 
 help:
@@ -23,6 +23,7 @@ help:
 	@echo "make lab     open JupyterLab on your working copies in work/ (COPIES=answers for an instructor)"
 	@echo "make update  after git pull: refresh work/ (notebooks you edited are kept, new version beside)"
 	@echo "make course  execute every notebook headless into build/ (ipynb + html) with a timing table"
+	@echo "make preflight [SIZE=gpu]  check this node before a session: one report in build/preflight/"
 	@echo "make student copies without solutions into build/student/ (exercises raise NotImplementedError)"
 	@echo "make answers copies with the model answers, markers removed, into build/answers/"
 	@echo "make test    unit + multi-process tests, then nbval over every notebook at the ci size"
@@ -81,6 +82,13 @@ answers: setup
 
 test: setup
 	COURSE_SIZE=$${COURSE_SIZE:-ci} COURSE_CHECK_DEVICES=1 $(PY) -m pytest tests notebooks -m "not contended" --nbval-lax --nbval-cell-timeout=600 --durations=40
+
+# The instructor's check of this node before a session (course_utils/preflight.py): doctor, an
+# all_reduce on every backend, the collective benchmark and every notebook at SIZE (default: gpu
+# with CUDA, else cpu). Report: $(PREFLIGHT_OUT)/preflight.md and .json.
+PREFLIGHT_OUT ?= build/preflight
+preflight: setup
+	$(PY) -m course_utils preflight --out $(PREFLIGHT_OUT) $(if $(SIZE),--size $(SIZE))
 
 # Every notebook at the ci size while two busy loops hold the cores (a shared node); see README.
 test-contended: setup

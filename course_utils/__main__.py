@@ -6,6 +6,7 @@ python -m course_utils bench launch --world-size 4 [--rounds 5]
 python -m course_utils bench tp [--world-sizes 1 2 4] [--rounds 5] [--json]
 python -m course_utils bench zero [--world-sizes 2 4] [--rounds 3] [--json]
 python -m course_utils course --out build [--size ci|cpu|gpu] [--only 01]
+python -m course_utils preflight --out DIR [--size gpu] [--only 01 03]
 python -m course_utils copies --kind student|answers --out build/student
 python -m course_utils workspace --dir work [--kind student|answers]
 """
@@ -93,6 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--keep", default=None, help="folder to keep the generated traces in")
     t.add_argument("--json", action="store_true")
 
+    p = sub.add_parser(
+        "preflight", help="instructor's check of a node: doctor, all_reduce, bench, notebooks"
+    )
+    p.add_argument(
+        "--out", required=True, help="folder for preflight.md, preflight.json, notebooks"
+    )
+    p.add_argument("--size", default=None, choices=["ci", "cpu", "gpu"], help="the students' size")
+    p.add_argument("--only", nargs="*", default=None, help="notebook name prefixes, e.g. 01 03")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per notebook cell")
+
     p = sub.add_parser("course", help="execute every notebook into build/ with a timing table")
     p.add_argument("--out", default="build")
     p.add_argument("--size", choices=["ci", "cpu", "gpu"], default=None)
@@ -178,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             result = bench_traces.run(args.ranks, args.mb, args.keep)
             print(json.dumps(result, indent=2) if args.json else bench_traces.table(result))
         return 0
+    if args.cmd == "preflight":
+        from . import preflight
+
+        return preflight.main(args.out, args.size, args.only, args.timeout)
     if args.cmd == "course":
         from . import course
 

@@ -235,3 +235,22 @@ def test_a_rank_killed_on_one_node_ends_the_whole_job(two_nodes, tmp_path):
     assert wait_dead([w["pid"] for w in where.values()], within=30) == []
     assert not any(pid_alive(w["pid"]) for w in where.values())
     print(f"job ended {took:.0f} s after rank 3 was killed")
+
+
+def test_preflight_template_writes_one_report(one_node, tmp_path):
+    """preflight.sbatch on a compute node: doctor, all_reduce, the benchmark and a notebook, one
+    report in Markdown and JSON."""
+    job_dir = tmp_path / "preflight"
+    env = job_env(tmp_path / "jobs", SITE="cpu-cluster", JOB_DIR=str(job_dir), SIZE="ci",
+                  PREFLIGHT_ONLY="01")  # fmt: skip
+    job = one_node.submit([SUBMIT, "preflight"], env)
+    info, log = finished(one_node, job, tmp_path / "jobs", timeout=600)
+    assert info["JobState"] == "COMPLETED", log
+    report = json.loads((job_dir / "preflight.json").read_text())
+    assert report["verdict"] == "PASS", report
+    assert report["slurm_job"] == str(job)
+    assert [n["notebook"] for n in report["notebooks"]] == ["01_single_gpu"]
+    assert report["checks"]["all_reduce (gloo, 2 ranks)"] == "ok"
+    text = (job_dir / "preflight.md").read_text()
+    assert text.startswith("# Pre-flight of") and "PASS" in text.splitlines()[0]
+    assert (job_dir / "notebooks" / "01_single_gpu.html").exists()

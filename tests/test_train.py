@@ -1,0 +1,46 @@
+"""The training scripts under launch, on real CIFAR-100 files: the same file torchrun and srun run
+(tests/test_slurm.py submits them to a real SLURM)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from course_utils import launch
+from course_utils.train.common import profile_config
+from tests.test_data import write_cifar100
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.multiprocess
+
+
+def test_ddp_script_runs_under_launch_on_real_cifar100(runs_root, tmp_path):
+    data = tmp_path / "data"
+    write_cifar100(data, n=128)
+    job = tmp_path / "job"
+    launch(
+        str(REPO / "train" / "ddp.py"),
+        2,
+        argv=["--size", "ci", "--data-dir", str(data), "--no-verify", "--epochs", "2",
+              "--profile", "1,0,1", "--job-dir", str(job)],
+        echo=False,
+        timeout=240,
+    )  # fmt: skip
+    r = json.loads((job / "result.json").read_text())
+    assert r["source"] == "launch" and r["world_size"] == 2
+    assert not r["synthetic"] and "CIFAR100" in r["data"] and "128 images" in r["data"]
+    assert r["steps"] == 2 * (128 // 64)  # the ci size's global batch is 64
+    assert len(r["traces"]) == 2 and all(Path(t).exists() for t in r["traces"])
+    assert {json.loads(f.read_text())["rank"] for f in (job / "ranks").glob("*.json")} == {0, 1}
+    lines = (job / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+
+
+def test_profile_schedule_is_read_or_refused_clearly():
+    c = profile_config("2,1,3")
+    assert (c.wait, c.warmup, c.active) == (2, 1, 3)
+    assert profile_config("off") is None
+    with pytest.raises(SystemExit, match="WAIT,WARMUP,ACTIVE"):
+        profile_config("3")
