@@ -81,3 +81,29 @@ def test_gpu_trace_has_kernels_and_analyses(runs_root):
     for b in a.steps:
         assert b.compute > 0
         assert abs(b.compute + b.communication + b.data + b.optimizer + b.idle - b.step_ms) < 1e-3
+
+
+def test_ddp_script_under_torchrun_with_nccl_and_amp(tmp_path):
+    """train/ddp.py on every GPU with NCCL and AMP (bf16 where supported, else fp16 + scaler), one
+    trace per rank with CUDA kernels in it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    n = torch.cuda.device_count()
+    job = tmp_path / "job"
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+         str(repo / "train" / "ddp.py"), "--size", "ci", "--epochs", "2", "--job-dir", str(job)],
+        check=True, timeout=600,
+    )  # fmt: skip
+    r = json.loads((job / "result.json").read_text())
+    assert r["backend"] == "nccl" and r["world_size"] == n
+    assert r["amp"] in ("bfloat16", "float16")
+    assert [x["device"] for x in sorted(r["ranks"], key=lambda x: x["rank"])] == [
+        f"cuda:{i}" for i in range(n)
+    ]
+    trace = json.loads(Path(r["traces"][0]).read_text())
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])

@@ -44,3 +44,18 @@ def test_profile_schedule_is_read_or_refused_clearly():
     assert profile_config("off") is None
     with pytest.raises(SystemExit, match="WAIT,WARMUP,ACTIVE"):
         profile_config("3")
+
+
+def test_amp_on_cpu_is_bfloat16_autocast_and_trains(runs_root, tmp_path):
+    job = tmp_path / "job"
+    launch(
+        str(REPO / "train" / "ddp.py"),
+        2,
+        argv=["--size", "ci", "--epochs", "1", "--amp", "on", "--profile", "off",
+              "--job-dir", str(job)],
+        echo=False,
+        timeout=240,
+    )  # fmt: skip
+    r = json.loads((job / "result.json").read_text())
+    assert r["amp"] == "bfloat16"
+    assert all(x == x and x < 10 for x in r["losses"])  # finite, not diverged
