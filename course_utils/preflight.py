@@ -68,30 +68,13 @@ def run(out: str | Path, size: str, only: list[str] | None = None, timeout: int 
     for backend, result in info["checks"].items():
         checks[f"all_reduce ({backend}, {result['world_size']} ranks)"] = result["all_reduce"]
 
-    world = get_size().world_size
-    gpus = len(info["gpus"]) if gpu["usable"] else 0
-    if gpus:
-        world = min(world, gpus)
-    print(f"  collective benchmark on {world} ranks ...", flush=True)
-    bench = _collectives(world)
-    checks[f"collective benchmark ({world} ranks, {bench.get('backend', '?')})"] = bench["status"]
-
-    notebooks = []
-    for nb in course.find_notebooks(only=only):
-        print(f"  notebook {nb.stem} ...", flush=True)
-        status, seconds, error = course.execute(nb, out / "notebooks", timeout)
-        notebooks.append(
-            {"notebook": nb.stem, "status": status, "seconds": round(seconds, 1), "error": error}
-        )
-        print(f"    {status} in {seconds:.0f} s", flush=True)
-    passed = all(v == "ok" for v in checks.values()) and all(n["status"] == "ok" for n in notebooks)
     report = {
-        "verdict": "PASS" if passed else "FAIL",
+        "verdict": "INCOMPLETE",
         "host": socket.gethostname(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "size": size,
         "slurm_job": os.environ.get("SLURM_JOB_ID"),
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": 0.0,
         "versions": {
             k: info[k]
             for k in ("python", "torch", "torchvision", "cuda_runtime", "hip_runtime", "nccl")
@@ -105,11 +88,40 @@ def run(out: str | Path, size: str, only: list[str] | None = None, timeout: int 
         "data": info["data"],
         "data_dir": info["data_dir"],
         "checks": checks,
-        "collectives": bench,
-        "notebooks": notebooks,
+        "collectives": {"rows": [], "status": "not run yet"},
+        "notebooks": [],
     }
-    (out / "preflight.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "preflight.md").write_text(render(report))
+
+    def save() -> None:
+        """Write the report as it stands: a job cut off by its time limit still leaves one."""
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        (out / "preflight.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / "preflight.md").write_text(render(report))
+
+    save()
+    world = get_size().world_size
+    gpus = len(info["gpus"]) if gpu["usable"] else 0
+    if gpus:
+        world = min(world, gpus)
+    print(f"  collective benchmark on {world} ranks ...", flush=True)
+    bench = _collectives(world)
+    checks[f"collective benchmark ({world} ranks, {bench.get('backend', '?')})"] = bench["status"]
+    report["collectives"] = bench
+    save()
+
+    for nb in course.find_notebooks(only=only):
+        print(f"  notebook {nb.stem} ...", flush=True)
+        status, seconds, error = course.execute(nb, out / "notebooks", timeout)
+        report["notebooks"].append(
+            {"notebook": nb.stem, "status": status, "seconds": round(seconds, 1), "error": error}
+        )
+        print(f"    {status} in {seconds:.0f} s", flush=True)
+        save()
+    passed = all(v == "ok" for v in checks.values()) and all(
+        n["status"] == "ok" for n in report["notebooks"]
+    )
+    report["verdict"] = "PASS" if passed else "FAIL"
+    save()
     print(render(report))
     return report
 
@@ -133,7 +145,12 @@ def render(r: dict) -> str:
     ]
     failed = [k for k, s in r["checks"].items() if s != "ok"]
     failed += [f"notebook {n['notebook']}" for n in r["notebooks"] if n["status"] != "ok"]
-    lines += ["**Failed:** " + "; ".join(failed), ""] if failed else ["Everything passed.", ""]
+    if r["verdict"] == "INCOMPLETE":
+        lines += ["**Still running, or cut off** (a time limit?): what ran so far is below.", ""]
+    if failed:
+        lines += ["**Failed:** " + "; ".join(failed), ""]
+    elif r["verdict"] == "PASS":
+        lines += ["Everything passed.", ""]
     lines += [
         "## Machine",
         "",

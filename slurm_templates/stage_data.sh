@@ -9,7 +9,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 export COURSE_DIR="${COURSE_DIR:-$(dirname "$here")}"
 COURSE_PYTHON="${COURSE_PYTHON:-$COURSE_DIR/.venv/bin/python}"
 : "${COURSE_DATA_DIR:?set COURSE_DATA_DIR to a folder the compute nodes can read}"
-"$COURSE_PYTHON" -m course_utils data download --root "$COURSE_DATA_DIR" \
-  --datasets "${@:-cifar100 cifar10 fashionmnist}"
+if [ $# -eq 0 ]; then set -- cifar100 cifar10 fashionmnist; fi
+"$COURSE_PYTHON" -m course_utils data download --root "$COURSE_DATA_DIR" --datasets "$@"
 chmod -R a+rX "$COURSE_DATA_DIR"   # students' jobs read it under their own accounts
 echo "staged in $COURSE_DATA_DIR; jobs: export COURSE_DATA_DIR=$COURSE_DATA_DIR"

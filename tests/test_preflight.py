@@ -49,3 +49,11 @@ def test_a_failing_report_names_every_failure_first():
     assert "all_reduce (nccl, 2 ranks)" in failed and "notebook 05_pipeline_parallel" in failed
     assert "notebook 01_single_gpu" not in failed
     assert any("FAILED: AssertionError: bubble" in line for line in lines)
+
+
+def test_a_report_cut_off_says_so_and_keeps_what_ran():
+    cut = report(verdict="INCOMPLETE", collectives={"rows": [], "status": "not run yet"})
+    text = render(cut)
+    assert text.splitlines()[0].endswith(": INCOMPLETE")
+    assert "cut off" in text and "Everything passed." not in text
+    assert "| 01_single_gpu | ok | 61 |" in text

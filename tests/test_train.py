@@ -59,3 +59,24 @@ def test_amp_on_cpu_is_bfloat16_autocast_and_trains(runs_root, tmp_path):
     r = json.loads((job / "result.json").read_text())
     assert r["amp"] == "bfloat16"
     assert all(x == x and x < 10 for x in r["losses"])  # finite, not diverged
+
+
+def test_hand_started_torchrun_without_rdzv_id_gets_a_fresh_job_dir(tmp_path):
+    """torchrun on several nodes without --rdzv-id names every job "none": a second job must not
+    resume the first one's checkpoint from runs/torchrun-none."""
+    import argparse
+
+    import torch
+
+    from course_utils.launcher.context import RankContext
+    from course_utils.train.common import job_dir
+
+    ctx = RankContext(
+        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
+        run_dir=tmp_path / "torchrun-none",
+    )  # fmt: skip
+    first = job_dir(ctx, argparse.Namespace(job_dir=None))
+    assert first != tmp_path / "torchrun-none" and first.name.startswith("torchrun-none-")
+    assert (first / "ranks" / "rank0.json").exists()
+    named = job_dir(ctx, argparse.Namespace(job_dir=str(tmp_path / "mine")))
+    assert named == tmp_path / "mine"

@@ -12,5 +12,7 @@ task per GPU) and under :func:`course_utils.launch`, because it sets itself up w
 - :mod:`.zero`: the same workload with FSDP2 (``fully_shard``) or the course's ZeRO-1/2;
 - :mod:`.threed`: notebook 07's DP x PP x TP composition, checked against one process.
 
-What they share (arguments, the job directory, checkpoints, logs) is in :mod:`.common`.
+What they share (arguments, the job directory, checkpoints, logs) is in :mod:`.common`. Their
+imports are absolute, so each module's file also runs as a script path where the repository's
+``train/`` folder is not at hand (a hub environment): notebook 03 launches ``ddp.__file__``.
 """

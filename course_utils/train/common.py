@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..launcher.context import RankContext
-from ..profiling.capture import ProfileConfig, RankProfiler
-from ..sizes import PRESETS, get_size
+from course_utils.launcher.context import RankContext
+from course_utils.profiling.capture import ProfileConfig, RankProfiler
+from course_utils.sizes import PRESETS, get_size
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -94,8 +94,17 @@ def profile_config(spec: str) -> ProfileConfig | None:
 
 
 def job_dir(ctx: RankContext, args) -> Path:
-    """``--job-dir``, else the run directory :func:`course_utils.dist.init` chose."""
+    """``--job-dir``, else the run directory :func:`course_utils.dist.init` chose.
+
+    ``torchrun`` started by hand on several nodes without ``--rdzv-id`` names every job ``none``:
+    rank 0 then picks a fresh folder for this job, so it never resumes another job's checkpoint.
+    """
     path = Path(args.job_dir) if args.job_dir else Path(ctx.run_dir)
+    if not args.job_dir and path.name in ("torchrun-none", "torchrun-"):
+        fresh = [f"{path}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(fresh, src=0)
+        path = Path(fresh[0])
     if ctx.rank == 0:
         (path / "ranks").mkdir(parents=True, exist_ok=True)
     barrier(ctx)

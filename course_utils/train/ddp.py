@@ -16,6 +16,7 @@ the same ``--job-dir`` resumes from it.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 
@@ -24,10 +25,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from .. import dist as cdist
-from ..data import load_dataset
-from ..models import SmallResNet
-from . import common
+from course_utils import dist as cdist
+from course_utils.data import DATA_ENV, load_dataset
+from course_utils.models import SmallResNet
+from course_utils.train import common
 
 
 def arguments(argv=None):
@@ -98,7 +99,7 @@ def main(argv=None, strategy=None) -> dict:
 
 def train(ctx, args, size, strategy) -> dict:
     folder = common.job_dir(ctx, args)
-    data_dir = args.data_dir
+    data_dir = args.data_dir or os.environ.get(DATA_ENV)
     if args.stage_to:
         data_dir = common.stage_locally(ctx, data_dir, args.stage_to)
     train_set = load_dataset(
@@ -242,11 +243,15 @@ def gather(ctx, value) -> list:
 
 @torch.no_grad()
 def evaluate(model, dataset, batch: int, ctx) -> float:
-    """Accuracy on the test set, each rank scoring its own share and the counts summed."""
+    """Accuracy on the test set, each rank scoring its own share and the counts summed.
+
+    Every rank scores the same number of images (the last ``len % world_size`` are left out): with
+    FSDP2 every forward is a collective, so ranks with one batch more would wait forever."""
     import torch.distributed as dist
 
     model.eval()
-    mine = Subset(dataset, range(ctx.rank, len(dataset), ctx.world_size))  # each image once
+    even = len(dataset) - len(dataset) % ctx.world_size
+    mine = Subset(dataset, range(ctx.rank, even, ctx.world_size))  # each image once
     counts = torch.zeros(2, device=ctx.device)
     for x, y in DataLoader(mine, batch_size=batch):
         pred = model(x.to(ctx.device)).argmax(1)

@@ -20,10 +20,10 @@ import sys
 
 import torch
 
-from .. import dist as cdist
-from ..models import GPTConfig
-from ..parallel3d import DP_METHODS, compose_worker
-from . import common
+from course_utils import dist as cdist
+from course_utils.models import GPTConfig
+from course_utils.parallel3d import DP_METHODS, compose_worker
+from course_utils.train import common
 
 CONFIGS = {
     "ci": GPTConfig(vocab=64, seq_len=16, d_model=32, n_heads=4, n_layers=4),

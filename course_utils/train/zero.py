@@ -23,9 +23,9 @@ import sys
 import torch
 from torch import nn
 
-from ..compat import fsdp2_unsupported
-from ..zero import ShardedGradientOptimizer, ShardedOptimizer
-from . import common, ddp
+from course_utils.compat import fsdp2_unsupported
+from course_utils.train import common, ddp
+from course_utils.zero import ShardedGradientOptimizer, ShardedOptimizer
 
 METHODS = ("fsdp2", "zero1", "zero2")
 
@@ -40,7 +40,7 @@ class FSDP2Strategy(ddp.DDPStrategy):
     def build(self, net, ctx, args):
         from torch.distributed.fsdp import fully_shard
 
-        from ..zero.run import cpu_or_device_mesh
+        from course_utils.zero.run import cpu_or_device_mesh
 
         why = fsdp2_unsupported(ctx.device.type)
         if why:
