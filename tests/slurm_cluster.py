@@ -50,6 +50,11 @@ def unavailable(namespaces: bool = False) -> str | None:
     return None
 
 
+def short_host() -> str:
+    """``hostname -s``: the name slurmctld expects to find in ``SlurmctldHost``."""
+    return socket.gethostname().split(".")[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -99,9 +104,9 @@ class Cluster:
     # set-up -----------------------------------------------------------------------------------
     @classmethod
     def one_node(cls, root: Path) -> Cluster:
-        name = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "localnode"
+        name = re.sub(r"[^A-Za-z0-9-]", "-", short_host())[:40] or "localnode"
         c = cls(root, {name: "127.0.0.1"}, namespaces=False)
-        c.start("127.0.0.1", socket.gethostname())
+        c.start("127.0.0.1", short_host())
         return c
 
     @classmethod
@@ -112,7 +117,7 @@ class Cluster:
         head = f"10.{net}.7.1"
         try:
             c._network(head, net)
-            c.start(head, socket.gethostname())  # slurmctld insists on its own host name
+            c.start(head, short_host())  # slurmctld insists on its own host name
         except BaseException:
             c.stop()
             raise
@@ -142,7 +147,7 @@ class Cluster:
             self._ip("addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
             self._ip("link", "set", "eth0", "up", ns=ns)
             self._ip("link", "set", "lo", "up", ns=ns)
-        hosts = ["127.0.0.1 localhost", f"{head} {socket.gethostname()}"]
+        hosts = ["127.0.0.1 localhost", f"{head} {short_host()}"]
         hosts += [f"{addr} {name}" for name, addr in self.nodes.items()]
         (self.root / "hosts").write_text("\n".join(hosts) + "\n")
 
