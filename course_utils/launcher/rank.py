@@ -29,7 +29,11 @@ Order of events in a rank, each step there for a reason:
    instead of opening a port on every interface.
 8. The worker runs; its return value (or its exception) is written atomically.
 9. Whatever the rank started and left running is killed (:func:`.groups.kill_rest_of_my_group`).
-10. ``os._exit``: gloo threads still alive after ``destroy_process_group`` can
+10. The group launch created is destroyed; one the worker created itself is left to ``os._exit``
+    (destroying it hung now and then on torch 2.6 with gloo). Rank 0, when it serves the store of
+    such a group, waits until every rank is this far (``rank{r}.closed``) before its exit takes the
+    store away.
+11. ``os._exit``: gloo threads still alive after ``destroy_process_group`` can
     abort a normally ending interpreter (SIGABRT, "terminate called without an
     active exception"); the result is already on disk, so nothing is lost.
 """
@@ -62,6 +66,22 @@ STORE = "rendezvous"
 
 def result_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / f"rank{rank}.result.pkl"
+
+
+def closed_path(run_dir: Path, rank: int) -> Path:
+    """Written once the rank's result is saved and its process group is done with."""
+    return Path(run_dir) / f"rank{rank}.closed"
+
+
+def _outlive_the_others(run_dir: Path, world_size: int, timeout_s: float = 60.0) -> None:
+    """Rank 0 serves the TCPStore of a worker's own ``env://`` group: it waits, before its exit
+    takes the store away, until every rank has saved its result and is about to exit. Bounded:
+    the launcher stops a stuck rank anyway."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(closed_path(run_dir, r).exists() for r in range(world_size)):
+            return
+        time.sleep(0.05)
 
 
 def log_path(run_dir: Path, rank: int, stream: str = "out") -> Path:
@@ -305,11 +325,16 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
     tmp.write_bytes(blob)
     os.replace(tmp, result_path(run_dir, rank))
     status.write("done" if ok else "failed")
-    if ok and dist.is_available() and dist.is_initialized():
+    # A group the worker created itself (a script, init_process_group=False) is left to os._exit:
+    # destroying it hung now and then on torch 2.6 with gloo, after all the work was done.
+    if ok and payload["init_process_group"] and dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception as e:  # the result is safe; say it in the log only
             print(f"destroy_process_group failed after the result was saved: {e}", file=sys.stderr)
+    closed_path(run_dir, rank).touch()
+    if store is not None and ok:
+        _outlive_the_others(run_dir, payload["world_size"])
     sys.stdout.flush()
     sys.stderr.flush()
     kill_rest_of_my_group()  # DataLoader workers, subprocesses: nothing outlives the rank

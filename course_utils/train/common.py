@@ -206,11 +206,55 @@ def global_mean(value: torch.Tensor, ctx: RankContext) -> float:
     return t.item()
 
 
-class Metrics:
-    """Rank 0 appends one JSON line per step to ``metrics.jsonl``."""
+def gather_rng(ctx: RankContext) -> list[dict]:
+    """Every rank's random number generator states (CPU, and the rank's GPU), for the checkpoint:
+    a resumed job draws the same crops, flips and dropout masks as an uninterrupted one."""
+    mine = {"cpu": torch.get_rng_state()}
+    if ctx.device.type == "cuda":
+        mine["cuda"] = torch.cuda.get_rng_state(ctx.device)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [{k: v.cpu() for k, v in r.items()} for r in everyone]
 
-    def __init__(self, ctx: RankContext, folder: Path):
-        self.file = open(folder / "metrics.jsonl", "a") if ctx.rank == 0 else None  # noqa: SIM115
+
+def restore_rng(ctx: RankContext, states: list[dict] | None) -> None:
+    """Put back this rank's generator states from :func:`gather_rng` (same number of ranks only)."""
+    if not states:
+        return
+    if len(states) != ctx.world_size:
+        if ctx.rank == 0:
+            print(
+                f"the checkpoint has random states for {len(states)} ranks, this job "
+                f"{ctx.world_size}: training continues, with different random draws",
+                flush=True,
+            )
+        return
+    torch.set_rng_state(states[ctx.rank]["cpu"].cpu())
+    if ctx.device.type == "cuda" and "cuda" in states[ctx.rank]:
+        torch.cuda.set_rng_state(states[ctx.rank]["cuda"].cpu(), ctx.device)
+
+
+class Metrics:
+    """Rank 0 appends one JSON line per step to ``metrics.jsonl``.
+
+    ``after_step``: the step a resumed job starts after; lines past it (written by the job that
+    crashed after its last checkpoint) are dropped, so every step appears once."""
+
+    def __init__(self, ctx: RankContext, folder: Path, after_step: int = 0):
+        self.file = None
+        if ctx.rank != 0:
+            return
+        path = folder / "metrics.jsonl"
+        if path.exists():
+            keep = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= after_step
+            ]
+            path.write_text("".join(line + "\n" for line in keep))
+        self.file = open(path, "a")  # noqa: SIM115 - closed by close()
 
     def log(self, **row) -> None:
         if self.file:
@@ -260,6 +304,18 @@ def write_result(ctx: RankContext, folder: Path, result: dict) -> None:
         tmp.write_text(json.dumps(result, indent=1, default=str))
         os.replace(tmp, folder / "result.json")
     barrier(ctx)
+
+
+def close(ctx: RankContext) -> None:
+    """The end of a script's process group: left to the process's exit, on purpose.
+
+    Every rank has passed the final barrier, so no collective is pending. The process ends right
+    after (:func:`exit_now` under ``torchrun`` or ``srun``, the launcher under ``launch``), which
+    closes the group's sockets. ``destroy_process_group`` here hung now and then on torch 2.6 with
+    gloo, and a rank destroying its group can wait on a store that rank 0's exit already took away
+    (``srun`` alone: rank 0 serves it).
+    """
+    del ctx
 
 
 def exit_now() -> None:

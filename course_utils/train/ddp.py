@@ -94,7 +94,7 @@ def main(argv=None, strategy=None) -> dict:
         common.barrier(ctx)  # every rank's collectives are done before the group is destroyed
         return result
     finally:
-        cdist.cleanup()
+        common.close(ctx)
 
 
 def train(ctx, args, size, strategy) -> dict:
@@ -154,9 +154,10 @@ def train(ctx, args, size, strategy) -> dict:
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         start_epoch, step, losses = state["epoch"], state["step"], list(state["losses"])
+        common.restore_rng(ctx, state.get("rng"))
         cdist.print0(f"resumed from {folder / common.CHECKPOINT}: epoch {start_epoch}, step {step}")
 
-    metrics = common.Metrics(ctx, folder)
+    metrics = common.Metrics(ctx, folder, after_step=step)
     total = epochs * len(loader)
     t0 = time.perf_counter()
     with common.Profiler(ctx, folder, common.profile_config(args.profile)) as prof:
@@ -194,6 +195,7 @@ def train(ctx, args, size, strategy) -> dict:
                     "epoch": epoch + 1,
                     "step": step,
                     "losses": losses,
+                    "rng": common.gather_rng(ctx),  # augmentation and shuffles continue exactly
                 },
             )
             cdist.print0(f"epoch {epoch}: step {step}, loss {losses[-1]:.4f}")

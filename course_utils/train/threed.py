@@ -108,7 +108,7 @@ def main(argv=None) -> dict:
         common.barrier(ctx)
         return result
     finally:
-        cdist.cleanup()
+        common.close(ctx)
 
 
 if __name__ == "__main__":
