@@ -140,11 +140,7 @@ def stage_locally(ctx: RankContext, src: str | Path | None, dst: str | Path) -> 
 def same_data_everywhere(ctx: RankContext, loaded) -> None:
     """Fail, naming the ranks, if ranks loaded different data (a node whose staged copy is missing
     falls back to the synthetic set): mismatched datasets mean mismatched step counts, a hang."""
-    mine = (loaded.name, loaded.synthetic, len(loaded.dataset), socket.gethostname())
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = gather((loaded.name, loaded.synthetic, len(loaded.dataset), socket.gethostname()))
     kinds = {e[:3] for e in everyone}
     if len(kinds) > 1:
         lines = [
@@ -188,13 +184,17 @@ def where(ctx: RankContext) -> dict:
     }
 
 
-def gather_where(ctx: RankContext) -> list[dict]:
-    mine = where(ctx)
+def gather(value) -> list:
+    """Every rank's ``value``, in rank order (``[value]`` without a process group)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [mine]
+        return [value]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
+    dist.all_gather_object(out, value)
     return out
+
+
+def gather_where(ctx: RankContext) -> list[dict]:
+    return gather(where(ctx))
 
 
 def global_mean(value: torch.Tensor, ctx: RankContext) -> float:
@@ -212,11 +212,7 @@ def gather_rng(ctx: RankContext) -> list[dict]:
     mine = {"cpu": torch.get_rng_state()}
     if ctx.device.type == "cuda":
         mine["cuda"] = torch.cuda.get_rng_state(ctx.device)
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [mine]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return [{k: v.cpu() for k, v in r.items()} for r in everyone]
+    return [{k: v.cpu() for k, v in r.items()} for r in gather(mine)]
 
 
 def restore_rng(ctx: RankContext, states: list[dict] | None) -> None:

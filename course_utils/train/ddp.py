@@ -204,7 +204,7 @@ def train(ctx, args, size, strategy) -> dict:
     seconds = time.perf_counter() - t0
     metrics.close()
     accuracy = evaluate(model, test_set.dataset, per_rank, ctx)
-    traces = gather(ctx, prof.trace)
+    traces = common.gather(prof.trace)
     result = {
         "script": strategy.name,
         "world_size": ctx.world_size,
@@ -231,16 +231,6 @@ def train(ctx, args, size, strategy) -> dict:
         f"test accuracy {accuracy:.3f}; wrote {folder}"
     )
     return result
-
-
-def gather(ctx, value) -> list:
-    import torch.distributed as dist
-
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 @torch.no_grad()

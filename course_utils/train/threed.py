@@ -78,8 +78,7 @@ def main(argv=None) -> dict:
             seed=args.seed,
         )
         mine = {**out, **common.where(ctx)}
-        everyone = [None] * ctx.world_size
-        torch.distributed.all_gather_object(everyone, mine)
+        everyone = common.gather(mine)
         worst = max((max(r["diffs"], default=0.0) for r in everyone), default=0.0)
         worst_loss = max((max(r["loss_diffs"], default=0.0) for r in everyone), default=0.0)
         result = {
