@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .launcher import placement
 from .launcher.context import RankContext, cpu_threads_per_rank
 
 
@@ -118,22 +119,30 @@ def read_topology(env: Mapping[str, str] | None = None) -> Topology:
     return Topology(0, 1, 0, 1, "127.0.0.1", 0, "single", "local")
 
 
-def _pick_device(topo: Topology, backend: str) -> tuple[str, torch.device]:
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "nccl" or (backend == "auto" and n_gpu > 0):
-        if n_gpu == 0:
-            raise RuntimeError("backend='nccl' but no CUDA GPU is visible: use backend='gloo'")
-        return "nccl" if backend != "gloo" else "gloo", torch.device(
-            "cuda", topo.local_rank % n_gpu
-        )
-    return "gloo", torch.device("cpu")
+def _pick_device(topo: Topology, backend: str) -> tuple[str, torch.device, dict[str, str]]:
+    """(backend, this rank's device, variables to set) for the ranks on this node, placed as
+    ``launch`` places them (:mod:`course_utils.launcher.placement`): one GPU each, GPUs shared
+    round-robin through NCCL >= 2.30, or CPU processes with gloo."""
+    where = placement.plan(
+        topo.local_world_size,
+        "auto" if backend == "auto" else backend,
+        "cuda" if backend == "nccl" else "auto",
+    )
+    if topo.local_rank == 0 and (
+        where.shared
+        or (where.device_type == "cpu" and backend == "auto" and torch.cuda.is_available())
+    ):
+        print(f"course_utils.dist: {where.describe()}", flush=True)
+    return where.backend, where.device(topo.local_rank), where.rank_env()
 
 
 def init(backend: str = "auto", timeout_s: float = 1800.0) -> RankContext:
     """Initialise the default process group from the environment and return this rank's ``ctx``."""
     topo = read_topology()
     backend = os.environ.get("COURSE_BACKEND", backend) if backend == "auto" else backend
-    backend, device = _pick_device(topo, backend)
+    backend, device, env = _pick_device(topo, backend)
+    for name, value in env.items():  # NCCL reads them when the communicator is made
+        os.environ.setdefault(name, value)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(cpu_threads_per_rank(topo.local_world_size))
     if device.type == "cuda":

@@ -35,10 +35,90 @@ def test_nccl_ranks_after_parent_initialised_cuda(runs_root):
     assert all(r["backend"] == "nccl" and r["finite"] for r in res.results)
 
 
+def can_share() -> bool:
+    from course_utils.launcher.placement import SHARING_NCCL, nccl_version
+
+    v = nccl_version()
+    return v is not None and v >= SHARING_NCCL and not getattr(torch.version, "hip", None)
+
+
+requires_sharing = pytest.mark.skipif(
+    not torch.cuda.is_available() or not can_share(),
+    reason="ranks sharing a GPU need NCCL >= 2.30 (torch 2.14.1 bundles 2.30.7)",
+)
+
+
 @pytest.mark.multiprocess
-def test_more_ranks_than_gpus_falls_back_to_gloo_on_cpu(runs_root):
-    res = launch("course_utils.launcher.demo:hello", torch.cuda.device_count() + 1, echo=False)
-    assert res.backend == "gloo" and res.device == "cpu"
+def test_more_ranks_than_gpus_share_them_or_fall_back_to_gloo(runs_root):
+    n = torch.cuda.device_count() + 1
+    res = launch("course_utils.launcher.demo:hello", n, echo=False)
+    assert [r["sum"] for r in res.results] == [n * (n + 1) / 2] * n
+    if can_share():  # round-robin: the last rank is back on GPU 0
+        assert res.backend == "nccl" and res.device == "cuda"
+        assert res.results[-1]["device"] == "cuda:0"
+    else:
+        assert res.backend == "gloo" and res.device == "cpu"
+
+
+def shared_worker(ctx):
+    import os
+
+    t = torch.full((1 << 20,), ctx.rank + 1.0, device=ctx.device)
+    dist.all_reduce(t)
+    return {
+        "device": str(ctx.device),
+        "backend": dist.get_backend(),
+        "sum": t[0].item(),
+        "all_equal": bool((t == t[0]).all()),
+        "switch": os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE"),
+    }
+
+
+@pytest.mark.multiprocess
+@requires_sharing
+def test_four_nccl_ranks_on_one_gpu(runs_root, monkeypatch, capsys):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    res = launch(shared_worker, 4, echo=False)
+    assert res.backend == "nccl" and res.device == "cuda"
+    assert [r["device"] for r in res.results] == ["cuda:0"] * 4
+    assert all(r["backend"] == "nccl" and r["all_equal"] for r in res.results)
+    assert [r["sum"] for r in res.results] == [10.0] * 4  # 1 + 2 + 3 + 4, on the GPU
+    assert {r["switch"] for r in res.results} == {"1"}  # set for the ranks...
+    assert "NCCL_MULTI_RANK_GPU_ENABLE" not in __import__("os").environ  # ...not for us
+    assert "4 ranks share 1 GPU" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+@requires_sharing
+def test_a_ddp_step_on_shared_gpu_ranks_equals_one_process(runs_root, monkeypatch):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from course_utils.data_parallel.parity import parity_worker
+    from course_utils.models import ToyMLP
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    res = launch(
+        parity_worker, 4, make_model=ToyMLP, wrap=DistributedDataParallel, steps=3, echo=False
+    )
+    assert res.device == "cuda"
+    assert max(max(d) for d in res.results) < 1e-12  # float64 on NCCL, against one process
+
+
+@pytest.mark.notebook
+@requires_sharing
+@pytest.mark.parametrize("name", ["03_ddp", "04_profiling"])
+def test_notebooks_03_and_04_on_ranks_sharing_one_gpu(name, tmp_path, monkeypatch):
+    """Their workers (DDP from scratch and torch's, the profiled DDP run with NCCL kernels in its
+    traces) on ranks that share one GPU, at the ci size."""
+    from pathlib import Path
+
+    from course_utils.course import execute
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("COURSE_SIZE", "ci")
+    nb = Path(__file__).resolve().parents[1] / "notebooks" / f"{name}.ipynb"
+    status, seconds, error = execute(nb, tmp_path, timeout=1200)
+    assert status == "ok", error
 
 
 def test_bf16_autocast_halves_activation_memory_on_gpu():

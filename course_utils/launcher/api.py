@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
-import torch
 
 from ..profiling.capture import ProfileConfig
 from . import devicecheck as _devicecheck
+from . import placement as _placement
 from . import procs as _procs
 from .context import cpu_threads_per_rank
 from .errors import LaunchInterrupted
@@ -31,8 +31,7 @@ from .rundir import new_run_dir, write_json
 from .spec import build_spec
 from .supervise import Tail, interrupted_notice, not_noise, read_record, stop, supervise
 
-BACKENDS = ("auto", "gloo", "nccl")
-DEVICES = ("auto", "cpu", "cuda")
+BACKENDS, DEVICES = _placement.BACKENDS, _placement.DEVICES
 _notices: set[str] = set()
 
 
@@ -116,34 +115,18 @@ def _notice(msg: str) -> None:
 def resolve_backend(
     world_size: int, backend: str = "auto", device: str = "auto"
 ) -> tuple[str, str]:
-    """Pick ``(backend, device_type)`` for ``world_size`` ranks on this node, or say what to change."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"backend must be one of {BACKENDS}, got {backend!r} (mpi is not supported)"
-        )
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "nccl" and device == "cpu":
-        raise ValueError(
-            "nccl only moves GPU tensors: use backend='gloo' (or 'auto') with device='cpu'"
-        )
-    wants_gpu = device == "cuda" or backend == "nccl"
-    if wants_gpu and n_gpu < world_size:
-        raise ValueError(
-            f"world_size={world_size} but only {n_gpu} GPU(s) are visible: pass device='cpu' to "
-            f"simulate {world_size} ranks with gloo, or lower world_size to {max(n_gpu, 1)}."
-        )
-    if wants_gpu or (device == "auto" and backend == "auto" and n_gpu >= world_size):
-        if backend == "auto":
-            backend = "nccl" if torch.distributed.is_nccl_available() else "gloo"
-        return backend, "cuda"
-    reason = "no CUDA GPU is visible" if n_gpu == 0 else f"{n_gpu} GPU(s) for {world_size} ranks"
-    if device == "auto" and backend == "auto":
-        _notice(f"launch: running {world_size} rank(s) on CPU with gloo ({reason}).")
-    return "gloo", "cpu"
+    """``(backend, device_type)`` for ``world_size`` ranks on this node, or say what to change.
+
+    The whole answer, GPU per rank included, is :func:`.placement.plan`; this is its short form.
+    """
+    p = _placement.plan(world_size, backend, device)
+    return p.backend, p.device_type
+
+
+def _announce(p: _placement.Placement, backend: str, device: str) -> None:
+    """One line when launch chose the place itself (``auto``), or when ranks share a GPU."""
+    if (backend == "auto" and device == "auto") or p.shared:
+        _notice(f"launch: {p.describe()}.")
 
 
 def launch(
@@ -178,6 +161,16 @@ def launch(
     of n through ``ctx.step(total=n)``, done, failed): a widget in Jupyter, one line in a terminal;
     ``progress=False`` hides it.
 
+    Where the ranks run (:mod:`.placement`): one GPU each when there are enough; with fewer GPUs
+    than ranks, the ranks *share* them round-robin (rank ``r`` on ``cuda:r % n``) through NCCL's
+    multi-rank mode (NCCL >= 2.30, ``NCCL_MULTI_RANK_GPU_ENABLE=1`` set for the ranks only); with
+    an older NCCL, or no GPU, CPU processes with gloo. Sharing is the default on purpose: a student
+    with one GPU then sees real NCCL kernels, CUDA streams and device placement in every
+    multi-rank notebook, instead of CPU ranks beside an idle GPU; what shared ranks cannot show is
+    a speed-up, and the notebooks say so where they time. ``device="cpu"`` opts out;
+    ``device="cuda"`` insists on GPUs and, where sharing is impossible, fails before any process
+    starts with what to do. Each automatic choice prints one line saying where the ranks run.
+
     ``check_devices=True`` (default: ``$COURSE_CHECK_DEVICES``) makes CPU ranks fail where a GPU
     node would: on a tensor made without ``device=ctx.device`` meeting the rank's device, or a module
     never moved (:mod:`course_utils.launcher.devicecheck`).
@@ -198,7 +191,9 @@ def launch(
     kwargs = {**kwargs, **(worker_kwargs or {})}
     if not timeout or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    backend, device_type = resolve_backend(world_size, backend, device)
+    where = _placement.plan(world_size, backend, device)
+    _announce(where, backend, device)
+    backend, device_type = where.backend, where.device_type
     spec, name = build_spec(worker, kwargs, argv)
     if spec["kind"] == "script":
         init_process_group = False  # the script calls course_utils.dist.init() itself
@@ -223,6 +218,8 @@ def launch(
         "local_world_size": world_size,
         "backend": backend,
         "device_type": device_type,
+        "gpus": list(where.gpus),
+        "rank_env": where.rank_env(),
         "threads": cpu_threads_per_rank(world_size),
         "gloo_ifname": _procs.loopback_ifname(),
         "init_process_group": init_process_group,
@@ -236,6 +233,7 @@ def launch(
         "world_size": world_size,
         "backend": backend,
         "device": device_type,
+        "gpus": list(where.gpus),
         "start_method": mp_ctx.get_start_method(),
         "started": time.time(),
         "status": "running",

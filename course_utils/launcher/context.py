@@ -25,9 +25,11 @@ class RankContext:
     world_size: int
     """Number of ranks in the job."""
     local_rank: int
-    """Rank within this node; picks the GPU (``cuda:local_rank``)."""
+    """Rank within this node (``LOCAL_RANK``). With one GPU per rank it is also the GPU's index;
+    use :attr:`device`, which is right also when ranks share GPUs."""
     device: torch.device
-    """Where this rank computes: ``cuda:<local_rank>`` with NCCL, ``cpu`` with gloo."""
+    """Where this rank computes: its GPU (``cuda:i``) with NCCL, ``cpu`` with gloo. Pass it to
+    ``.to()``, ``torch.cuda.set_device`` and ``DistributedDataParallel(device_ids=[ctx.device])``."""
     backend: str
     """The torch.distributed backend: ``"nccl"`` or ``"gloo"``."""
     run_dir: Path
@@ -106,9 +108,8 @@ def read_status(path: Path) -> tuple[str, int, int | None] | None:
 
 
 def cpu_threads_per_rank(local_world_size: int) -> int:
-    """Cores this process may use, split evenly between the ranks on the node (at least 1)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_world_size))
+    """Usable cores (affinity mask and cgroup CPU quota, :mod:`course_utils.cpus`), split evenly
+    between the ranks on the node (at least 1)."""
+    from ..cpus import threads_per_rank
+
+    return threads_per_rank(local_world_size)

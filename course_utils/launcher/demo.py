@@ -14,7 +14,7 @@ def hello(ctx) -> dict:
     t = torch.tensor([ctx.rank + 1.0], device=ctx.device)
     dist.all_reduce(t)
     print(f"hello from rank {ctx.rank} of {ctx.world_size} on {ctx.device}")
-    return {"rank": ctx.rank, "sum": t.item()}
+    return {"rank": ctx.rank, "sum": t.item(), "device": str(ctx.device)}
 
 
 def all_reduce_once(ctx, numel: int = 1024) -> float:

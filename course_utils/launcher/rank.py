@@ -253,6 +253,7 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
         COURSE_BACKEND=payload["backend"],
         COURSE_INIT_METHOD=f"file://{run_dir / STORE}",
     )
+    os.environ.update(payload.get("rank_env", {}))  # NCCL_MULTI_RANK_GPU_ENABLE for shared GPUs
     if payload.get("gloo_ifname"):  # gloo and NCCL's bootstrap listen on loopback only
         os.environ.setdefault("GLOO_SOCKET_IFNAME", payload["gloo_ifname"])
         if payload["device_type"] == "cuda":
@@ -270,7 +271,7 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
         listener.close()
 
     device = (
-        torch.device(payload["device_type"], local_rank)
+        torch.device("cuda", payload["gpus"][rank])  # round-robin when ranks share GPUs
         if payload["device_type"] == "cuda"
         else torch.device("cpu")
     )
