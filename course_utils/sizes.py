@@ -1,19 +1,21 @@
 """Problem sizes: one switch for every notebook and workload.
 
 ``ci`` is tiny (seconds, for nbval on 2 CPU cores), ``cpu`` is meaningful on a
-laptop, ``gpu`` is the full course. ``COURSE_SIZE`` picks one; otherwise
-``gpu`` when CUDA is available, else ``cpu``::
+laptop, ``gpu`` is the full course. ``COURSE_SIZE`` picks one; otherwise the size
+follows where the ranks will run: ``gpu`` when ``launch`` would put them on GPUs
+(one each, or sharing GPUs through NCCL >= 2.30), ``cpu`` when they would run as CPU
+processes, whatever ``torch.cuda.is_available()`` says. Four CPU ranks with the
+``gpu`` preset's work (50,000 images, 256 MiB collectives) would look hung::
 
     from course_utils.sizes import get_size
     size = get_size()          # Size(name='cpu', ...)
+    size = get_size(ranks=8)   # for a notebook that starts 8 ranks
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, fields
-
-import torch
 
 SIZE_ENV = "COURSE_SIZE"
 
@@ -131,20 +133,48 @@ PRESETS: dict[str, Size] = {
 }
 
 
-def default_size_name() -> str:
-    """``$COURSE_SIZE`` if set, else ``gpu`` with CUDA, else ``cpu``."""
+def default_size_name(ranks: int | None = None) -> str:
+    """``$COURSE_SIZE`` if set; else ``gpu`` when ``ranks`` ranks of a plain ``launch`` would run
+    on GPUs, ``cpu`` when they would run on the CPU. ``ranks`` defaults to the ``gpu`` preset's
+    ``world_size``; a single-process notebook passes 1."""
+    return size_choice(ranks)[0]
+
+
+def size_choice(ranks: int | None = None) -> tuple[str, str]:
+    """``(size name, why)``: the size :func:`get_size` picks for a notebook of ``ranks`` ranks."""
     env = os.environ.get(SIZE_ENV)
     if env:
-        return env
-    return "gpu" if torch.cuda.is_available() else "cpu"
+        return env, f"{SIZE_ENV}={env}"
+    from .launcher.placement import plan
+
+    n = ranks or PRESETS["gpu"].world_size
+    where = plan(n)
+    who = "training runs" if n == 1 else f"the {n} ranks run"
+    if where.device_type == "cuda":
+        return "gpu", f"{who} on {'a GPU' if n == 1 else 'GPUs'}"
+    return "cpu", f"{who} on the CPU"
 
 
-def get_size(name: str | None = None) -> Size:
-    """The preset called ``name`` (default: :func:`default_size_name`)."""
-    name = name or default_size_name()
+def get_size(name: str | None = None, *, ranks: int | None = None) -> Size:
+    """The preset called ``name`` (default: :func:`default_size_name` for ``ranks`` ranks)."""
+    name = name or default_size_name(ranks)
     try:
         return PRESETS[name]
     except KeyError:
         raise ValueError(
             f"unknown size {name!r}: choose one of {sorted(PRESETS)} (env {SIZE_ENV})"
         ) from None
+
+
+def hardware_line(ranks: int, size: Size | None = None) -> str:
+    """The notebooks' hardware line: where ``ranks`` ranks run and why, and the size in use."""
+    from .launcher.placement import plan
+
+    name, why = size_choice(ranks)
+    size = size or get_size(name)
+    chosen = (
+        f"size '{size.name}' ({why}; {SIZE_ENV}=ci|cpu|gpu to change)"
+        if size.name == name
+        else f"size '{size.name}'"
+    )
+    return f"{plan(ranks).describe()}. {chosen}."
