@@ -1,9 +1,11 @@
 """``python -m course_utils doctor``: what this node can run, checked for real.
 
-It reports versions, GPUs and their interconnect, CPU cores, the data found,
-the size the notebooks will pick, and for each backend runs a real all_reduce
-through :func:`course_utils.launch` (gloo: 2 CPU ranks; nccl: one rank per GPU,
-up to 2).
+It reports versions, GPUs and their interconnect, the CPU cores this process may
+use (affinity mask and cgroup quota), where launched ranks will run, the data
+found, the size the notebooks will pick, and, with its checks on, runs a real
+all_reduce through :func:`course_utils.launch` on each backend (gloo: 2 CPU ranks;
+nccl: 2 ranks, one GPU each, or sharing one GPU where NCCL >= 2.30 allows it) and
+compiles a small function with ``torch.compile`` on each device.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import torch
 import torch.distributed as dist
 
 from .compat import FLOOR, TESTED, older_than_floor
+from .compiling import compile_check
+from .cpus import cpu_budget
 from .data import DATASETS, data_root, load_dataset
 from .gpu_diagnosis import Diagnosis, diagnose, gather
 from .launcher import launch
+from .launcher.placement import describe, plan
 from .launcher.rundir import runs_root
-from .sizes import get_size
+from .sizes import get_size, size_choice
 
 
 def _gpus() -> list[dict]:
@@ -59,6 +64,7 @@ def _topology(rocm: bool) -> tuple[str, str] | None:
 
 def _check_backend(backend: str, world_size: int) -> dict:
     t0 = time.perf_counter()
+    where = ""
     try:
         res = launch(
             "course_utils.launcher.demo:hello",
@@ -68,6 +74,9 @@ def _check_backend(backend: str, world_size: int) -> dict:
             echo=False,
             timeout=120,
         )
+        devices = [r["device"] for r in res.results]
+        if backend == "nccl" and len(set(devices)) < len(devices):
+            where = f" on one shared GPU ({devices[0]})"
         expected = world_size * (world_size + 1) / 2
         ok = all(r["sum"] == expected for r in res.results)
         status = "ok" if ok else f"wrong sum {[r['sum'] for r in res.results]}, expected {expected}"
@@ -75,6 +84,7 @@ def _check_backend(backend: str, world_size: int) -> dict:
         status = f"failed: {type(e).__name__}: {str(e).splitlines()[0]}"
     return {
         "world_size": world_size,
+        "where": where,
         "all_reduce": status,
         "seconds": round(time.perf_counter() - t0, 2),
     }
@@ -84,10 +94,7 @@ def collect(run_checks: bool = True) -> dict:
     """Everything the doctor reports, as a dict (``--json`` prints it as is)."""
     # first, before anything touches torch.cuda: torch warns why CUDA is unusable only once
     diagnosis = diagnose(gather())
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count()
+    budget = cpu_budget()
     hip = getattr(torch.version, "hip", None)
     nccl = None  # on a ROCm build, torch.cuda.nccl is RCCL
     if torch.cuda.is_available() and dist.is_nccl_available():
@@ -113,14 +120,19 @@ def collect(run_checks: bool = True) -> dict:
         "gpus": gpus,
         "gpu_check": asdict(diagnosis),
         "interconnect": topo,
-        "cpu_cores": cores,
+        "cpu_cores": budget.usable,
+        "cpu": asdict(budget) | {"usable": budget.usable, "described": budget.describe()},
+        "placement": {n: describe(n) for n in (2, 4, 8)},
         "backends": {
             "gloo": dist.is_gloo_available(),
             "nccl": dist.is_nccl_available(),
             "mpi": dist.is_mpi_available(),
         },
         "size": get_size().asdict()
-        | {"chosen_by": "COURSE_SIZE" if os.environ.get("COURSE_SIZE") else "auto"},
+        | {
+            "chosen_by": "COURSE_SIZE" if os.environ.get("COURSE_SIZE") else "auto",
+            "why": size_choice()[1],
+        },
         "data_dir": str(data_root()),
         "runs_dir": str(runs_root()),
         "data": {
@@ -135,7 +147,12 @@ def collect(run_checks: bool = True) -> dict:
         if dist.is_gloo_available():
             info["checks"]["gloo"] = _check_backend("gloo", 2)
         if gpus and dist.is_nccl_available():
-            info["checks"]["nccl"] = _check_backend("nccl", min(2, len(gpus)))
+            # two ranks: on two GPUs, or sharing one where NCCL allows it (placement.plan)
+            shareable = plan(2).device_type == "cuda"
+            info["checks"]["nccl"] = _check_backend("nccl", 2 if shareable else 1)
+        info["compile"] = {"cpu": compile_check("cpu")}
+        if gpus:
+            info["compile"]["cuda"] = compile_check("cuda")
     return info
 
 
@@ -156,7 +173,8 @@ def render(info: dict) -> str:
             f"  WARNING: torch {info['torch']} is older than the course's floor; "
             "run `make setup` for the tested version"
         )
-    lines.append(f"CPU cores usable: {info['cpu_cores']}")
+    cpu = info.get("cpu", {}).get("described", f"{info['cpu_cores']} usable")
+    lines.append(f"CPU cores: {cpu}")
     if info["gpus"]:
         lines.append(f"GPUs: {len(info['gpus'])}")
         lines += [
@@ -172,11 +190,17 @@ def render(info: dict) -> str:
     lines.append("Backends compiled in: " + ", ".join(k for k, v in info["backends"].items() if v))
     for backend, check in info["checks"].items():
         lines.append(
-            f"  {backend}: {check['world_size']}-rank all_reduce {check['all_reduce']} ({check['seconds']} s)"
+            f"  {backend}: {check['world_size']}-rank all_reduce{check.get('where', '')} "
+            f"{check['all_reduce']} ({check['seconds']} s)"
         )
+    for dev, status in info.get("compile", {}).items():
+        lines.append(f"  torch.compile on {dev}: {status}")
+    if info.get("placement"):
+        lines.append("Ranks from launch():")
+        lines += [f"  {line}" for line in info["placement"].values()]
     s = info["size"]
     lines.append(
-        f"Size: {s['name']} (by {s['chosen_by']}; set COURSE_SIZE=ci|cpu|gpu to change): "
+        f"Size: {s['name']} ({s.get('why', s['chosen_by'])}; COURSE_SIZE=ci|cpu|gpu to change): "
         f"{s['train_samples']} training images, batch {s['batch_size']}, width {s['width']}, "
         f"{s['world_size']} ranks"
     )

@@ -82,6 +82,9 @@ def run(out: str | Path, size: str, only: list[str] | None = None, timeout: int 
         "hardware": {
             "platform": platform.platform(),
             "cpu_cores": info["cpu_cores"],
+            "cpu": info["cpu"]["described"],
+            "placement": info["placement"],
+            "compile": info.get("compile", {}),
             "gpus": info["gpus"],
             "interconnect": info["interconnect"],
         },
@@ -99,10 +102,7 @@ def run(out: str | Path, size: str, only: list[str] | None = None, timeout: int 
         (out / "preflight.md").write_text(render(report))
 
     save()
-    world = get_size().world_size
-    gpus = len(info["gpus"]) if gpu["usable"] else 0
-    if gpus:
-        world = min(world, gpus)
+    world = get_size().world_size  # placed as the notebooks' ranks are (shared GPUs included)
     print(f"  collective benchmark on {world} ranks ...", flush=True)
     bench = _collectives(world)
     checks[f"collective benchmark ({world} ranks, {bench.get('backend', '?')})"] = bench["status"]
@@ -158,13 +158,22 @@ def render(r: dict) -> str:
         + (f", CUDA {v['cuda_runtime']}" if v["cuda_runtime"] else "")
         + (f", HIP {v['hip_runtime']}" if v["hip_runtime"] else "")
         + (f", NCCL {v['nccl']}" if v["nccl"] else ""),
-        f"- {hw['cpu_cores']} CPU cores; "
+        f"- CPU cores: {hw.get('cpu', hw['cpu_cores'])}; "
         + (
             ", ".join(f"{g.get('name', 'GPU')}{_mem(g)}" for g in gpus)
             if gpus
             else "no GPU (CPU ranks with gloo)"
         ),
         f"- {hw['platform']}",
+        *(f"- ranks: {line}" for line in hw.get("placement", {}).values()),
+        *(
+            [
+                "- torch.compile (notebook 01 falls back to eager mode where it fails): "
+                + ", ".join(f"{d} {s}" for d, s in hw["compile"].items())
+            ]
+            if hw.get("compile")
+            else []
+        ),
         "- data: "
         + ", ".join(f"{k} {s}" for k, s in r["data"].items())
         + f" (under {r['data_dir']})",

@@ -76,4 +76,7 @@ def test_doctor_json_reports_a_working_gloo():
     info = json.loads(out.stdout)
     assert info["checks"]["gloo"]["all_reduce"] == "ok"
     assert info["cpu_cores"] >= 1 and info["size"]["name"] in PRESETS
+    assert info["cpu"]["usable"] == info["cpu_cores"] <= info["cpu"]["affinity"]
+    assert info["compile"]["cpu"] == "ok"  # a C++ compiler is here: Inductor works
+    assert info["placement"]["4"].startswith("4 ranks on")
     assert set(info["data"]) == {"cifar10", "cifar100", "fashionmnist"}

@@ -176,6 +176,16 @@ def report(**over) -> dict:
         ),
         "interconnect": ("rocm-smi --showtopo", fixture("rocm-smi-showtopo-2gpu.txt").strip()),
         "cpu_cores": 16,
+        "cpu": {
+            "described": "16 usable (128 in the machine, 128 in the affinity mask, a cgroup quota of 16 cores)"
+        },
+        "placement": {
+            "4": "4 ranks on the CPU with gloo, 4 threads each: 2 GPUs for 4 ranks, and ..."
+        },
+        "compile": {
+            "cpu": "ok",
+            "cuda": "failed: RuntimeError: Cannot find a working triton installation",
+        },
         "backends": {"gloo": True, "nccl": True, "mpi": False},
         "size": {
             "name": "gpu",
@@ -199,6 +209,11 @@ def test_rocm_report_names_hip_rccl_and_rocm_smi_topology():
     assert "CUDA runtime" not in text
     assert "GPU interconnect (rocm-smi --showtopo):" in text and "XGMI" in text
     assert "the course needs torch >= 2.6" in text
+    assert (
+        "CPU cores: 16 usable (128 in the machine, 128 in the affinity mask, a cgroup quota" in text
+    )
+    assert "Ranks from launch():\n  4 ranks on the CPU with gloo" in text
+    assert "torch.compile on cuda: failed: RuntimeError: Cannot find a working triton" in text
 
 
 def test_report_warns_below_the_floor():
