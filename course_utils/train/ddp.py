@@ -7,8 +7,8 @@ Under any launcher::
 
 What it does, and where notebooks teach it: :class:`~course_utils.models.SmallResNet` (01) wrapped in
 torch's ``DistributedDataParallel`` (03); a ``DistributedSampler`` whose ``set_epoch`` reshuffles
-every epoch the same way on every rank (03); AMP on GPUs, bfloat16 where supported, else float16
-with a gradient scaler (01); the profiler's ``wait, warmup, active`` schedule writing one trace per
+every epoch the same way on every rank (03); AMP on GPUs, bfloat16 where the GPU does it natively,
+else float16 with a gradient scaler (01, :mod:`course_utils.precision`); the profiler's ``wait, warmup, active`` schedule writing one trace per
 rank and a TensorBoard copy (04). Rank 0 writes a checkpoint after every epoch; a second run with
 the same ``--job-dir`` resumes from it.
 """
@@ -26,6 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from course_utils import dist as cdist
+from course_utils import precision
+from course_utils.cpus import loader_workers
 from course_utils.data import DATA_ENV, load_dataset
 from course_utils.models import SmallResNet
 from course_utils.train import common
@@ -50,16 +52,9 @@ def amp_setup(device: torch.device, mode: str):
     """(autocast context factory, GradScaler or None, dtype name) for ``--amp``."""
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return contextlib.nullcontext, None, "float32"
-    if device.type == "cuda":
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    else:
-        dtype = torch.bfloat16  # CPU autocast speaks bfloat16
-    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
-    return (
-        lambda: torch.autocast(device.type, dtype=dtype),
-        scaler,
-        str(dtype).removeprefix("torch."),
-    )
+    amp = precision.choose(device)  # native bf16, else fp16 + GradScaler (emulated bf16 is slow)
+    scaler = amp.grad_scaler() if amp.needs_scaler else None
+    return amp.autocast, scaler, str(amp.dtype).removeprefix("torch.")
 
 
 class DDPStrategy:
@@ -120,7 +115,12 @@ def train(ctx, args, size, strategy) -> dict:
             f"{ctx.world_size} ranks: pick a world size that divides it"
         )
     per_rank = size.batch_size // ctx.world_size
-    workers = size.num_workers if args.workers is None else args.workers
+    # the preset's workers, but no more than this rank's share of the usable cores leaves
+    workers = (
+        loader_workers(size.num_workers, ctx.local_world_size)
+        if args.workers is None
+        else args.workers
+    )
     sampler = DistributedSampler(
         train_set.dataset, num_replicas=ctx.world_size, rank=ctx.rank, seed=args.seed
     )
@@ -201,6 +201,8 @@ def train(ctx, args, size, strategy) -> dict:
             cdist.print0(f"epoch {epoch}: step {step}, loss {losses[-1]:.4f}")
             if args.max_steps and step >= args.max_steps:
                 break
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)  # the last step's kernels are part of the time
     seconds = time.perf_counter() - t0
     metrics.close()
     accuracy = evaluate(model, test_set.dataset, per_rank, ctx)

@@ -1,0 +1,82 @@
+"""Which 16-bit type to train in, on the device at hand: one choice for the whole course.
+
+bfloat16 has float32's exponent range, so gradients neither underflow nor overflow and no loss
+scaling is needed; float16 has 3 more mantissa bits but a narrow range, so it needs a
+``GradScaler`` (scale the loss up before backward, unscale before the step, skip steps whose
+gradients overflowed). Both halve activation memory; the speed-up comes from tensor cores that do
+the type natively.
+
+``torch.cuda.is_bf16_supported()`` also answers True on GPUs that only *emulate* bfloat16 (V100,
+T4: compute capability 7.x, common on hubs and Colab): there bf16 runs through float32 units, slower
+than float16, and the float16 + ``GradScaler`` path a student should see never runs. So bf16 is
+chosen only where it is native: ``is_bf16_supported(including_emulation=False)`` on torch builds
+that have the argument, else compute capability >= 8.0 (Ampere). CPUs autocast to bfloat16.
+Used by notebooks 01 and 03 and ``train/ddp.py``::
+
+    from course_utils.precision import choose
+    amp = choose(device)                       # Precision(dtype=torch.bfloat16, ...)
+    with torch.autocast(device.type, dtype=amp.dtype): ...
+    scaler = amp.grad_scaler()                 # enabled only for float16
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A mixed-precision choice for one device."""
+
+    device_type: str
+    dtype: torch.dtype
+    """``torch.bfloat16`` or ``torch.float16``: what autocast computes in."""
+    needs_scaler: bool
+    """True for float16: train with a ``GradScaler``."""
+    reason: str
+    """Why this type, in a few words."""
+
+    @property
+    def name(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+
+    def autocast(self):
+        """``torch.autocast`` for this device and type."""
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def grad_scaler(self):
+        """A ``GradScaler``, enabled only when the type needs one (a no-op pass-through otherwise)."""
+        return torch.amp.GradScaler(self.device_type, enabled=self.needs_scaler)
+
+
+def bf16_is_native(device: torch.device | str | int | None = None) -> bool:
+    """True when the GPU computes bfloat16 in hardware (not emulated through float32)."""
+    if getattr(torch.version, "hip", None):  # ROCm: MI200 and later do bf16; torch knows which
+        return bool(torch.cuda.is_bf16_supported())
+    if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 8
+
+
+def choose(device: torch.device | str) -> Precision:
+    """The 16-bit type to autocast to on ``device``: native bf16, else fp16 with a scaler."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return Precision(device.type, torch.bfloat16, False, "CPU autocast computes in bfloat16")
+    if bf16_is_native(device):
+        return Precision("cuda", torch.bfloat16, False, "this GPU computes bfloat16 natively")
+    major, minor = torch.cuda.get_device_capability(device)
+    return Precision(
+        "cuda",
+        torch.float16,
+        True,
+        f"this GPU (compute capability {major}.{minor}) would only emulate bfloat16: "
+        "float16 with a GradScaler instead",
+    )
+
+
+__all__ = ["Precision", "bf16_is_native", "choose"]
