@@ -116,6 +116,16 @@ def peak_memory(device: torch.device | str) -> int | None:
     return None
 
 
+def allocated_memory(device: torch.device | str) -> int | None:
+    """Bytes the CUDA caching allocator has handed to tensors on ``device`` now
+    (``torch.cuda.memory_allocated``: blocks rounded up to 512 bytes, cuBLAS and cuDNN workspaces
+    included); None on CPU. Notebooks 01, 06 and 08 print it beside the counted formula."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return None
+
+
 def reset_peak_memory(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":

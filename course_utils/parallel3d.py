@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from .measure import synchronize
 from .models import GPT, GPTConfig
 from .topology import ParallelDims
 
@@ -240,6 +241,7 @@ def compose_worker(
         opt.step()
         states = count_model_states(stage, opt)  # gradients still held: the step's peak states
         opt.zero_grad()
+        synchronize(ctx.device)  # GPU kernels run asynchronously: the clock waits for them
         times.append(time.perf_counter() - t0)
         ctx.step()
         if not reference:
@@ -354,6 +356,7 @@ def torch_compose_worker(
             sched.step()
         opt.step()
         opt.zero_grad()
+        synchronize(ctx.device)  # GPU kernels run asynchronously: the clock waits for them
         times.append(time.perf_counter() - t0)
         ctx.step()
         ref_loss = _reference_step(ref, ref_opt, x, y)

@@ -145,6 +145,64 @@ def test_time_costs_synchronizes_and_leaves_gradients_alone(monkeypatch):
     assert torch.equal(with_bn[1].running_mean, stats)  # the timing passes left no trace
 
 
+def test_stage_actions_wait_for_the_gpu_stream_not_the_whole_device(monkeypatch):
+    """On CUDA each action's label must end when its kernels have run: the runner waits for its
+    compute stream after the action (and after each receive), never with a device-wide
+    synchronize, which would also wait for sends in flight to a neighbour. Played on the CPU with
+    a one-stage pipeline whose runner believes it is on cuda:0."""
+    from course_utils.pipeline.schedules import StageRunner
+
+    waits = []
+
+    class Stream:
+        def synchronize(self):
+            waits.append(len(log))
+
+    log = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("device-wide sync"))
+    module = nn.Sequential(nn.Linear(4, 3))
+    module.register_forward_hook(lambda *a: log.append("F"))
+    x, y = torch.randn(8, 4), torch.randint(3, (8,))
+    runner = StageRunner(module, 0, 1, None, None, torch.float32, torch.device("cuda", 0),
+                         nn.functional.cross_entropy)  # fmt: skip
+    runner.forward(0, x, y, 1)
+    assert waits == [1]  # after the forward's kernels were queued
+    runner.backward(0)
+    assert waits == [1, 1] and module[0].weight.grad is not None
+    cpu = StageRunner(module, 0, 1, None, None, torch.float32, torch.device("cpu"),
+                      nn.functional.cross_entropy)  # fmt: skip
+    cpu.forward(0, x, y, 1)
+    cpu.backward(0)
+    assert waits == [1, 1]  # nothing to wait for on the CPU
+
+
+def test_recv_label_moves_an_action_start_to_the_data_arrival(tmp_path):
+    """stage_events reads the runtime's pipeline:recv label: waiting for a neighbour is bubble."""
+    import json
+
+    from course_utils.pipeline.measure import measured_bubble, stage_events
+    from course_utils.profiling.trace import load_trace
+
+    def ev(name, ts, dur, cat="user_annotation"):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur}
+
+    events = [
+        ev("ProfilerStep#2", 0, 10_000),
+        ev("pipeline:F0", 1_000, 4_000),
+        ev("pipeline:recv", 1_000, 3_000),  # waited 3 ms for the activation
+        ev("aten::mm", 4_100, 800, cat="cpu_op"),
+        ev("pipeline:B0", 6_000, 2_000),
+    ]
+    path = tmp_path / "rank1.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events,
+                                "distributedInfo": {"rank": 1, "world_size": 2}}))  # fmt: skip
+    t = load_trace(path)
+    got = [(e.action.kind, e.start, e.end) for e in stage_events(t)]
+    assert got == [("F", 4.0, 5.0), ("B", 6.0, 8.0)]
+    assert measured_bubble({1: t})["mean"] == pytest.approx(1 - 3.0 / 10.0)
+
+
 def test_model_must_be_sequential(runs_root):
     class NotSequential(nn.Module):
         def forward(self, x):

@@ -21,7 +21,9 @@ def x(name, ts, dur, tid=1, cat="cpu_op", pid=1):
     return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
 
 
-def write(path, events, rank=0, host="node", dist_info=True):
+def write(path, events, rank=0, host="node", dist_info=True, mkdir=False):
+    if mkdir:
+        path.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "schemaVersion": 1,
         "host_name": host,
@@ -285,3 +287,42 @@ def test_balanced_ranks_have_no_straggler(tmp_path):
     a = analyse(traces)
     assert a.straggler() is None  # identical work: naming one would mislead
     assert len(a.stragglers()) == 1  # the per-step view still reports the (tied) maximum
+
+
+def test_collectives_are_counted_on_every_thread(tmp_path):
+    """On a GPU, DDP's all-reduces are issued by the autograd engine's device thread (tid 7 here),
+    not the training thread; each call also leaves the backend's own event, counted once."""
+    from course_utils.profiling.analysis import collectives_per_step
+
+    events = [
+        x("ProfilerStep#3", 0, 100_000, cat="user_annotation"),
+        x("ProfilerStep#4", 100_000, 100_000, cat="user_annotation"),
+        x("aten::mm", 1_000, 10_000),
+    ]
+    for step, n in ((0, 3), (100_000, 2)):
+        for k in range(n):
+            t = step + 20_000 + k * 10_000
+            events += [
+                x("c10d::allreduce_", t, 1_000, tid=7),
+                x("nccl:all_reduce", t, 900, tid=7, cat="user_annotation"),
+            ]
+    t = load_trace(write(tmp_path / "rank0.pt.trace.json", events))
+    assert collectives_per_step(t) == [3, 2]
+    assert collectives_per_step(t, "all_gather") == [0, 0]
+    with pytest.raises(ValueError, match="op must be one of"):
+        collectives_per_step(t, "all-reduce")
+
+
+def test_collectives_fall_back_to_backend_events_then_kernels(tmp_path):
+    from course_utils.profiling.analysis import collectives_per_step
+
+    steps = [x("ProfilerStep#1", 0, 50_000, cat="user_annotation")]
+    gloo_only = steps + [x("gloo:all_reduce", 10_000, 100, tid=2, cat="user_annotation")] * 2
+    t = load_trace(write(tmp_path / "a" / "rank0.pt.trace.json", gloo_only, mkdir=True))
+    assert collectives_per_step(t) == [2]
+    kernels = steps + [
+        x("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", 30_000, 500, pid=0, tid=20, cat="kernel"),
+        x("ncclDevKernel_AllGather_RING_LL(x)", 31_000, 500, pid=0, tid=20, cat="kernel"),
+    ]
+    t = load_trace(write(tmp_path / "b" / "rank0.pt.trace.json", kernels, mkdir=True))
+    assert collectives_per_step(t) == [1] and collectives_per_step(t, "all_gather") == [1]

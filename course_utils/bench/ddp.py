@@ -42,7 +42,7 @@ def step_time_worker(
     if impl == "ours":
         model = BucketedDDP(net, bucket_cap_mb=bucket_cap_mb)
     else:
-        ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
+        ids = [ctx.device] if ctx.device.type == "cuda" else None
         model = DistributedDataParallel(net, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
     finish = getattr(model, "finish_gradient_synchronization", lambda: None)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

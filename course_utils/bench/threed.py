@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from ..measure import synchronize
 from ..models import Block, GPTConfig
 from ..plan import Choice, Cluster, Transformer, fit_link, placement, predict, valid_choices
 from . import provenance
@@ -64,7 +65,9 @@ def compute_worker(ctx, b: int, repeats: int = 5, **c) -> float:
     block(x).sum().backward()  # warm-up
     times = []
     for _ in range(repeats):
+        synchronize(ctx.device)  # the clock starts when the device is idle too
         torch.distributed.barrier()
+        synchronize(ctx.device)
         t0 = time.perf_counter()
         block(x).sum().backward()
         if ctx.device.type == "cuda":
@@ -85,7 +88,9 @@ def link_worker(ctx, group_size: int = 2, sizes=(1 << 10, 1 << 14, 1 << 18, 1 <<
         buf = torch.ones(nbytes // 4, device=ctx.device)
         for _ in range(2):
             dist.all_reduce(buf, group=group)
+        synchronize(ctx.device)
         dist.barrier()
+        synchronize(ctx.device)
         t0 = time.perf_counter()
         for _ in range(iters):
             dist.all_reduce(buf, group=group)

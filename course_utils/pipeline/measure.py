@@ -5,6 +5,10 @@ trace of stage ``s`` holds when each micro-batch's forward and backward ran ther
 bubble of a stage is the fraction of the step during which it ran neither:
 ``1 - busy / step``. Its time includes waiting in ``recv`` for a neighbour, which is exactly the
 bubble, while the transfer itself overlaps the neighbour's work.
+
+On a GPU the runtime makes each label span device time (it waits for its compute stream after
+each receive and each action, :mod:`.schedules`), so the same reading holds there; without that
+the labels would end when the CPU had *launched* the kernels, and the bubble would be the CPU's.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ LABEL = re.compile(r"^pipeline:([FB])(\d+)$")
 def stage_events(trace: Trace, step_index: int = -1) -> list[Timed]:
     """The F/B actions of one recorded step (default: the last) on this trace's stage, times in ms.
 
-    A labelled action starts with a blocking ``recv``; the time spent waiting there is not work, so
-    each action's start is moved to the end of its receive (the ``c10d::recv`` or gloo event inside it).
+    A labelled action starts with a blocking receive; the time spent waiting there is not work, so
+    each action's start is moved to the end of its receive: the runtime's ``pipeline:recv`` label
+    (which on a GPU ends when the data has arrived), else a ``c10d::recv`` or gloo event inside it.
     """
     _, s0, s1 = trace.steps[step_index]
     main = trace.lane == trace.main_lane
@@ -32,7 +37,7 @@ def stage_events(trace: Trace, step_index: int = -1) -> list[Timed]:
     recv_ids = [
         i
         for i, n in enumerate(trace.names)
-        if n.startswith(("c10d::recv", "gloo:recv", "nccl:recv"))
+        if n == "pipeline:recv" or n.startswith(("c10d::recv", "gloo:recv", "nccl:recv"))
     ]
     recv = np.isin(trace.name_id, recv_ids) & main
     for nid, name in enumerate(trace.names):

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..compat import pipeline_losses, pipeline_schedule, pipelining_unsupported
+from ..measure import synchronize
 from .partition import boundary_shapes, check_sequential, partition
 from .schedules import RUNTIME_SCHEDULES, StageRunner, train_step
 
@@ -166,6 +167,7 @@ def pipeline_worker(
         else:
             losses = _torch_step(stages, schedule, m, x, y, loss_fn, rank == 0, rank == p - 1)
         opt.step()
+        synchronize(ctx.device)  # GPU kernels run asynchronously: the clock waits for them
         times.append(time.perf_counter() - t0)
         ctx.step()  # drives the profiler under launch(..., profile=...)
         if reference is not None:

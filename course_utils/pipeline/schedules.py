@@ -14,9 +14,17 @@ the loss, divided by ``m`` so that the gradients add up to the full batch's mean
 ``B{i}``: receive the output's gradient from ``s+1`` (the last stage starts from its loss),
 backpropagate through the stage, send the input's gradient to ``s-1``. Gradients accumulate over
 the micro-batches; the optimizer steps after the flush. Every action is labelled
-``pipeline:F{i}`` / ``pipeline:B{i}`` in profiler traces. A send leaves with the stage's next
-receive, in one ``batch_isend_irecv`` (:class:`.p2p.Mailbox`): two neighbours sending to each other
-at once cannot deadlock on NCCL.
+``pipeline:F{i}`` / ``pipeline:B{i}`` in profiler traces, and the receive inside it
+``pipeline:recv``. A send leaves with the stage's next receive, in one ``batch_isend_irecv``
+(:class:`.p2p.Mailbox`): two neighbours sending to each other at once cannot deadlock on NCCL.
+
+On a GPU the labels must span *device* time, or the measured timeline and bubble are the CPU's
+launch times. CUDA kernels run asynchronously, and on NCCL ``work.wait()`` only makes the compute
+stream wait for the transfer: the CPU returns at once. So on CUDA the runner waits for its compute
+stream (``torch.cuda.current_stream().synchronize()``, never a device-wide synchronize, which would
+also wait for sends still in flight to a neighbour) after each receive and at the end of each
+action. The receive label then ends when the data has arrived, and each action when its kernels
+have run.
 """
 
 from __future__ import annotations
@@ -65,28 +73,39 @@ class StageRunner:
         self.held_bytes = self.peak_held_bytes = 0
         self.micro_bytes: list[int] = []
 
+    def _wait_for_device(self) -> None:
+        """On CUDA, block until this stage's compute stream has run what was queued (see above)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _recv(self, shape, src: int) -> torch.Tensor:
+        with record_function("pipeline:recv"):
+            buf = self.mailbox.recv(shape, self.dtype, self.device, src)
+            self._wait_for_device()  # NCCL: wait() returned before the data arrived
+        return buf
+
     def forward(self, i: int, x: torch.Tensor | None, y: torch.Tensor | None, m: int) -> None:
         with record_function(f"pipeline:F{i}"):
-            if self.first:
-                self.mailbox.flush()  # nothing to receive: let waiting sends go now
-                inp = x
-            else:
-                inp = self.mailbox.recv(
-                    self.in_shape, self.dtype, self.device, self.peers[self.stage - 1]
-                ).requires_grad_()
-            with saved_activations() as mem:
-                out = self.module(inp)  # (B/m, ...) -> (B/m, ...)
-                if self.last:
-                    out = (
-                        self.loss_fn(out, y) / m
-                    )  # scalar: this micro-batch's share of the mean loss
-            if not self.last:
-                self.mailbox.send(out, self.peers[self.stage + 1])
-            self.inputs[i], self.outputs[i] = inp, out
-            self.held[i] = mem["bytes"]
-            self.micro_bytes.append(mem["bytes"])
-            self.held_bytes += mem["bytes"]
-            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+            self._forward(i, x, y, m)
+            self._wait_for_device()
+
+    def _forward(self, i: int, x: torch.Tensor | None, y: torch.Tensor | None, m: int) -> None:
+        if self.first:
+            self.mailbox.flush()  # nothing to receive: let waiting sends go now
+            inp = x
+        else:
+            inp = self._recv(self.in_shape, self.peers[self.stage - 1]).requires_grad_()
+        with saved_activations() as mem:
+            out = self.module(inp)  # (B/m, ...) -> (B/m, ...)
+            if self.last:
+                out = self.loss_fn(out, y) / m  # scalar: this micro-batch's share of the mean loss
+        if not self.last:
+            self.mailbox.send(out, self.peers[self.stage + 1])
+        self.inputs[i], self.outputs[i] = inp, out
+        self.held[i] = mem["bytes"]
+        self.micro_bytes.append(mem["bytes"])
+        self.held_bytes += mem["bytes"]
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     def backward(self, i: int) -> None:
         with record_function(f"pipeline:B{i}"):
@@ -95,14 +114,12 @@ class StageRunner:
                 self.mailbox.flush()
                 out.backward()
             else:
-                grad = self.mailbox.recv(
-                    self.out_shape, self.dtype, self.device, self.peers[self.stage + 1]
-                )
-                out.backward(grad)
+                out.backward(self._recv(self.out_shape, self.peers[self.stage + 1]))
             inp = self.inputs.pop(i)
             if not self.first:
                 self.mailbox.send(inp.grad, self.peers[self.stage - 1])
             self.held_bytes -= self.held.pop(i)
+            self._wait_for_device()
 
     def finish(self) -> None:
         self.mailbox.wait_all()

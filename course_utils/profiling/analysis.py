@@ -199,6 +199,63 @@ def subtract(
     return union(bounds[:-1][keep], bounds[1:][keep])
 
 
+_OP_EVENTS = {
+    # c10d's dispatcher op, recorded once per call on the thread that issued it
+    "all_reduce": ("c10d::allreduce_",),
+    "all_gather": (
+        "c10d::allgather_",
+        "c10d::_allgather_base_",
+        "c10d::allgather_into_tensor_coalesced_",
+    ),
+    "reduce_scatter": (
+        "c10d::reduce_scatter_",
+        "c10d::_reduce_scatter_base_",
+        "c10d::reduce_scatter_tensor_coalesced_",
+    ),
+    "broadcast": ("c10d::broadcast_",),
+}
+_BACKEND_EVENTS = {  # the backend's own label of the same call: counted only when c10d's is absent
+    "all_reduce": ("nccl:all_reduce", "gloo:all_reduce"),
+    "all_gather": ("nccl:all_gather", "nccl:_all_gather_base", "gloo:all_gather"),
+    "reduce_scatter": ("nccl:reduce_scatter", "nccl:_reduce_scatter_base", "gloo:reduce_scatter"),
+    "broadcast": ("nccl:broadcast", "gloo:broadcast"),
+}
+_KERNELS = {
+    "all_reduce": re.compile(r"^nccl(DevKernel|Kernel)_AllReduce"),
+    "all_gather": re.compile(r"^nccl(DevKernel|Kernel)_AllGather"),
+    "reduce_scatter": re.compile(r"^nccl(DevKernel|Kernel)_ReduceScatter"),
+    "broadcast": re.compile(r"^nccl(DevKernel|Kernel)_Broadcast"),
+}
+
+
+def collectives_per_step(trace: Trace, op: str = "all_reduce") -> list[int]:
+    """How many ``op`` collectives each recorded step issued, counted on **every** thread.
+
+    On a GPU, DDP's gradient hooks run on the autograd engine's device thread, not the training
+    thread (pytorch issue 52020), so a count on the training thread alone reads 0 there. One call
+    leaves two CPU events (``c10d::allreduce_`` and the backend's ``gloo:all_reduce`` /
+    ``nccl:all_reduce``): c10d's is counted, the backend's only where c10d's is missing, and a
+    trace with neither counts NCCL's kernels on the GPU streams. A collective belongs to the step
+    in which it starts.
+    """
+    if op not in _OP_EVENTS:
+        raise ValueError(f"op must be one of {sorted(_OP_EVENTS)}, got {op!r}")
+    cpu = ~trace.lane_is_gpu[trace.lane]
+    chosen = None
+    for names in (_OP_EVENTS[op], _BACKEND_EVENTS[op]):
+        ids = [i for i, n in enumerate(trace.names) if n in names]
+        mask = np.isin(trace.name_id, ids) & cpu
+        if mask.any():
+            chosen = mask
+            break
+    if chosen is None:
+        ids = [i for i, n in enumerate(trace.names) if _KERNELS[op].match(n)]
+        chosen = np.isin(trace.name_id, ids) & ~cpu
+    return [
+        int((chosen & (trace.start >= s0) & (trace.start < s1)).sum()) for _, s0, s1 in trace.steps
+    ]
+
+
 @dataclass
 class Analysis:
     """Breakdowns of every rank and step, plus the cross-rank view."""

@@ -142,6 +142,31 @@ def parity_worker(
     }
 
 
+def states_and_allocator(
+    ctx, method: str, model: str = "mlp", optimizer: str = "adam", dtype=torch.float64
+) -> dict:
+    """One training step with ``method`` and no reference model beside it: the model-state bytes
+    counted (:func:`~.memory.count_model_states`) and, on a GPU, what the CUDA allocator holds for
+    this rank's training at the same moment (``memory_allocated`` now minus before the model
+    existed; ``None`` on the CPU). The allocator's number adds the batch, the loss, buffers in
+    flight and 512-byte rounding: notebook 08 prints both."""
+    from ..measure import allocated_memory
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    before = allocated_memory(ctx.device)
+    torch.manual_seed(0)
+    net = MODELS[model]().to(ctx.device, dtype)
+    call, opt, _ = wrap(method, net, optimizer, ctx.device)
+    x = torch.randn(16, 16, dtype=dtype, device=ctx.device)
+    y = torch.randint(4, (16,), device=ctx.device)
+    nn.functional.cross_entropy(call(x.chunk(n)[r]), y.chunk(n)[r]).backward()
+    getattr(call, "finish_gradient_synchronization", lambda: None)()
+    opt.step()
+    states = count_model_states(call, opt)
+    now = allocated_memory(ctx.device)
+    return {"counted": states.total, "allocator": None if before is None else now - before}
+
+
 def parity_many(ctx, method: str, cases, steps: int = 3) -> list[dict]:
     """:func:`parity_worker` for each ``(model, optimizer, dtype)`` of ``cases``, in one launch."""
     return [
