@@ -20,11 +20,17 @@ import torch
 
 def reason(e: BaseException) -> str:
     """The useful line of a compile failure: ``InvalidCxxCompiler: No working C++ compiler ...``."""
+    inner = getattr(e, "inner_exception", None)  # BackendCompilerFailed keeps the cause
+    if isinstance(inner, BaseException) and inner is not e:
+        return reason(inner)
     text = str(e).strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in lines:  # Inductor puts the underlying error first, then advice about verbosity
-        if not ln.startswith(("Set TORCH", "You can suppress", "For even more")):
-            return f"{type(e).__name__}: {ln}"[:300]
+    for ln in lines:  # the underlying error first, then a header and advice about verbosity
+        if ln.endswith("raised:") or ln.startswith(
+            ("Set TORCH", "You can suppress", "For even more")
+        ):
+            continue
+        return f"{type(e).__name__}: {ln}"[:300]
     return type(e).__name__
 
 
@@ -47,13 +53,18 @@ def compile_or_eager(
     """``torch.compile(model)`` and run ``first_call`` on it (the call that compiles). If compiling
     fails, print one line saying why and run ``first_call`` on the eager ``model`` instead.
 
-    The failure comes before the compiled graph runs, so the eager call is the step's only run.
+    Only compile failures (Dynamo's and Inductor's exceptions) are caught; an error of the model's
+    own code propagates. A failure while compiling the forward comes before any of it ran; one in
+    the backward (compiled at the first ``backward()``) comes after the compiled forward ran, so a
+    module with running statistics (BatchNorm) then sees that first batch twice.
     """
+    from torch._dynamo.exc import TorchDynamoException
+
     try:
         compiled = torch.compile(model, **compile_kwargs)
         out = first_call(compiled)
         return Compiled(compiled, True, out)
-    except Exception as e:  # Inductor and Dynamo raise many types; all mean "not here"
+    except TorchDynamoException as e:  # BackendCompilerFailed, InductorError, ...: "not here"
         why = reason(e)
         if verbose:
             print(f"torch.compile does not work here ({why}); continuing in eager mode.")

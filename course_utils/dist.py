@@ -123,6 +123,13 @@ def _pick_device(topo: Topology, backend: str) -> tuple[str, torch.device, dict[
     """(backend, this rank's device, variables to set) for the ranks on this node, placed as
     ``launch`` places them (:mod:`course_utils.launcher.placement`): one GPU each, GPUs shared
     round-robin through NCCL >= 2.30, or CPU processes with gloo."""
+    placed = os.environ.get("COURSE_DEVICE")  # under launch: the launcher already placed us
+    if (
+        placed
+        and "COURSE_RUN_DIR" in os.environ
+        and backend in ("auto", os.environ.get("COURSE_BACKEND"))
+    ):
+        return os.environ.get("COURSE_BACKEND", "gloo"), torch.device(placed), {}
     where = placement.plan(
         topo.local_world_size,
         "auto" if backend == "auto" else backend,

@@ -117,9 +117,10 @@ def peak_memory(device: torch.device | str) -> int | None:
 
 
 def allocated_memory(device: torch.device | str) -> int | None:
-    """Bytes the CUDA caching allocator has handed to tensors on ``device`` now
-    (``torch.cuda.memory_allocated``: blocks rounded up to 512 bytes, cuBLAS and cuDNN workspaces
-    included); None on CPU. Notebooks 01, 06 and 08 print it beside the counted formula."""
+    """Bytes the CUDA caching allocator has handed out on ``device`` now
+    (``torch.cuda.memory_allocated``: tensors' blocks rounded up to 512 bytes, plus the cuBLAS
+    workspace it keeps after the first matrix product; cuDNN's workspaces are freed after each
+    call); None on CPU. Notebooks 01, 06 and 08 print it beside the counted formula."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)

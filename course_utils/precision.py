@@ -1,7 +1,7 @@
 """Which 16-bit type to train in, on the device at hand: one choice for the whole course.
 
-bfloat16 has float32's exponent range, so gradients neither underflow nor overflow and no loss
-scaling is needed; float16 has 3 more mantissa bits but a narrow range, so it needs a
+bfloat16 has float32's exponent range, so gradients underflow and overflow no more than in float32
+and no loss scaling is needed; float16 has 3 more mantissa bits but a narrow range, so it needs a
 ``GradScaler`` (scale the loss up before backward, unscale before the step, skip steps whose
 gradients overflowed). Both halve activation memory; the speed-up comes from tensor cores that do
 the type natively.
@@ -10,7 +10,10 @@ the type natively.
 T4: compute capability 7.x, common on hubs and Colab): there bf16 runs through float32 units, slower
 than float16, and the float16 + ``GradScaler`` path a student should see never runs. So bf16 is
 chosen only where it is native: ``is_bf16_supported(including_emulation=False)`` on torch builds
-that have the argument, else compute capability >= 8.0 (Ampere). CPUs autocast to bfloat16.
+that have the argument, else compute capability >= 8.0 (Ampere). CPU autocast uses bfloat16, its
+default low-precision type; it is fast only on CPUs with bf16 instructions (AVX512-BF16 or AMX on
+recent Intel and AMD server CPUs, BF16 on recent Arm), elsewhere oneDNN converts through float32
+and bf16 can be slower than float32.
 Used by notebooks 01 and 03 and ``train/ddp.py``::
 
     from course_utils.precision import choose
@@ -47,18 +50,26 @@ class Precision:
         """``torch.autocast`` for this device and type."""
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    def grad_scaler(self):
-        """A ``GradScaler``, enabled only when the type needs one (a no-op pass-through otherwise)."""
-        return torch.amp.GradScaler(self.device_type, enabled=self.needs_scaler)
+    def grad_scaler(self, **kwargs):
+        """A ``GradScaler``, enabled only when the type needs one (a no-op pass-through otherwise);
+        ``kwargs`` go to it (``init_scale=...``)."""
+        return torch.amp.GradScaler(self.device_type, enabled=self.needs_scaler, **kwargs)
 
 
 def bf16_is_native(device: torch.device | str | int | None = None) -> bool:
     """True when the GPU computes bfloat16 in hardware (not emulated through float32)."""
-    if getattr(torch.version, "hip", None):  # ROCm: MI200 and later do bf16; torch knows which
+    if getattr(torch.version, "hip", None):  # ROCm: torch answers True on every ROCm build
         return bool(torch.cuda.is_bf16_supported())
-    if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
-        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    major, _ = torch.cuda.get_device_capability(device)
+    index = torch.device("cuda", device).index if isinstance(device, int) else None
+    if device is not None and not isinstance(device, int):
+        index = torch.device(device).index
+    asks_current = index is None or index == torch.cuda.current_device()
+    if (
+        asks_current
+        and "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters
+    ):
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))  # the current GPU
+    major, _ = torch.cuda.get_device_capability(device)  # another GPU, or an older torch
     return major >= 8
 
 
@@ -66,17 +77,19 @@ def choose(device: torch.device | str) -> Precision:
     """The 16-bit type to autocast to on ``device``: native bf16, else fp16 with a scaler."""
     device = torch.device(device)
     if device.type != "cuda":
-        return Precision(device.type, torch.bfloat16, False, "CPU autocast computes in bfloat16")
+        return Precision(
+            device.type, torch.bfloat16, False, "CPU autocast computes in bfloat16, its default"
+        )
     if bf16_is_native(device):
         return Precision("cuda", torch.bfloat16, False, "this GPU computes bfloat16 natively")
     major, minor = torch.cuda.get_device_capability(device)
-    return Precision(
-        "cuda",
-        torch.float16,
-        True,
+    why = (
         f"this GPU (compute capability {major}.{minor}) would only emulate bfloat16: "
-        "float16 with a GradScaler instead",
+        "float16 with a GradScaler instead"
     )
+    if major < 7:  # Pascal and older: no tensor cores
+        why += "; it has no tensor cores, so 16 bits save memory here, not time"
+    return Precision("cuda", torch.float16, True, why)
 
 
 __all__ = ["Precision", "bf16_is_native", "choose"]

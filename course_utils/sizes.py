@@ -141,18 +141,19 @@ def default_size_name(ranks: int | None = None) -> str:
 
 
 def size_choice(ranks: int | None = None) -> tuple[str, str]:
-    """``(size name, why)``: the size :func:`get_size` picks for a notebook of ``ranks`` ranks."""
+    """``(size name, why)``: the size :func:`get_size` picks for a notebook of ``ranks`` ranks
+    (``None``: as many as the ``gpu`` preset starts)."""
     env = os.environ.get(SIZE_ENV)
     if env:
         return env, f"{SIZE_ENV}={env}"
     from .launcher.placement import plan
 
     n = ranks or PRESETS["gpu"].world_size
-    where = plan(n)
-    who = "training runs" if n == 1 else f"the {n} ranks run"
-    if where.device_type == "cuda":
-        return "gpu", f"{who} on {'a GPU' if n == 1 else 'GPUs'}"
-    return "cpu", f"{who} on the CPU"
+    on_gpu = plan(n).device_type == "cuda"
+    if n == 1:
+        return ("gpu", "training runs on a GPU") if on_gpu else ("cpu", "training runs on the CPU")
+    who = f"the {n} ranks" if ranks else f"{n} ranks, as many as the 'gpu' size starts,"
+    return ("gpu", f"{who} run on GPUs") if on_gpu else ("cpu", f"{who} would run on the CPU")
 
 
 def get_size(name: str | None = None, *, ranks: int | None = None) -> Size:
@@ -166,15 +167,18 @@ def get_size(name: str | None = None, *, ranks: int | None = None) -> Size:
         ) from None
 
 
-def hardware_line(ranks: int, size: Size | None = None) -> str:
-    """The notebooks' hardware line: where ``ranks`` ranks run and why, and the size in use."""
+def hardware_line(ranks: int, size: Size | None = None, chosen_for: int | None = None) -> str:
+    """The notebooks' hardware line: where ``ranks`` ranks run and why, then the size and why.
+
+    ``chosen_for``: the ``ranks`` the notebook passed to :func:`get_size` (``None``: the default).
+    """
     from .launcher.placement import plan
 
-    name, why = size_choice(ranks)
+    name, why = size_choice(chosen_for)
     size = size or get_size(name)
     chosen = (
         f"size '{size.name}' ({why}; {SIZE_ENV}=ci|cpu|gpu to change)"
         if size.name == name
-        else f"size '{size.name}'"
+        else f"size '{size.name}' (chosen by the notebook)"
     )
     return f"{plan(ranks).describe()}. {chosen}."

@@ -173,7 +173,20 @@ def test_hardware_line_says_where_and_why(monkeypatch):
     line = sizes.hardware_line(4)
     assert line.startswith("4 ranks on the CPU with gloo")
     assert "NCCL 2.27.3 cannot share a GPU" in line
-    assert "size 'cpu' (the 4 ranks run on the CPU" in line
+    assert "size 'cpu' (4 ranks, as many as the 'gpu' size starts, would run on the CPU" in line
+    assert "the 8 ranks would run on the CPU" in sizes.hardware_line(8, chosen_for=8)
+
+
+def test_two_gpus_and_old_nccl_the_line_explains_the_smaller_size(monkeypatch):
+    """The gpu size's 4 ranks would run on the CPU, so the size is cpu; its 2 ranks fit the 2 GPUs.
+    The line must say both, not a bare size."""
+    monkeypatch.delenv(sizes.SIZE_ENV, raising=False)
+    fake_gpus(monkeypatch, 2, OLD)
+    size = sizes.get_size()
+    assert size.name == "cpu" and size.world_size == 2
+    line = sizes.hardware_line(size.world_size, size)
+    assert line.startswith("2 ranks on 2 GPUs, one each, with nccl")
+    assert "size 'cpu' (4 ranks, as many as the 'gpu' size starts, would run on the CPU" in line
 
 
 def topo(local_rank, local_world_size):
@@ -192,3 +205,15 @@ def test_scripts_place_ranks_as_launch_does(monkeypatch, capsys):
     assert "4 ranks on the CPU with gloo" in capsys.readouterr().out
     with pytest.raises(ValueError, match="NCCL 2.27.3"):
         cdist._pick_device(topo(0, 4), "nccl")
+
+
+def test_a_script_under_launch_keeps_the_launchers_placement(monkeypatch, tmp_path):
+    """launch(script, device="cuda", backend="gloo") already put the rank on its GPU: dist.init()
+    in the script must not plan again and land on the CPU."""
+    fake_gpus(monkeypatch, 1)
+    monkeypatch.setenv("COURSE_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("COURSE_BACKEND", "gloo")
+    monkeypatch.setenv("COURSE_DEVICE", "cuda:0")
+    assert cdist._pick_device(topo(1, 2), "gloo") == ("gloo", torch.device("cuda", 0), {})
+    monkeypatch.delenv("COURSE_RUN_DIR")  # a stray variable outside launch is ignored
+    assert cdist._pick_device(topo(1, 2), "gloo")[1] == torch.device("cpu")

@@ -30,6 +30,7 @@ def fake_gpu(monkeypatch, capability, emulation_flag=True):
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.version, "hip", None)
 
 
@@ -37,6 +38,7 @@ def fake_gpu(monkeypatch, capability, emulation_flag=True):
 @pytest.mark.parametrize(
     "capability, dtype, scaler",
     [
+        ((6, 1), torch.float16, True),  # Pascal: no tensor cores either
         ((7, 0), torch.float16, True),  # V100: bf16 only emulated
         ((7, 5), torch.float16, True),  # T4
         ((8, 0), torch.bfloat16, False),  # A100
@@ -50,6 +52,7 @@ def test_bf16_only_where_native(monkeypatch, flag, capability, dtype, scaler):
     assert (amp.dtype, amp.needs_scaler) == (dtype, scaler)
     if scaler:
         assert "emulate" in amp.reason and f"{capability[0]}.{capability[1]}" in amp.reason
+        assert ("no tensor cores" in amp.reason) == (capability < (7, 0))
 
 
 def test_cpu_autocasts_to_bf16_without_a_scaler():
@@ -115,3 +118,40 @@ def test_where_compile_works_the_model_is_compiled():
     got = compile_or_eager(model, lambda m: m(x), verbose=False)
     assert got.compiled and got.why_not is None and got.model is not model
     torch.testing.assert_close(got.first_call, model(x))
+
+
+def test_the_reason_skips_the_header_and_follows_the_cause():
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from course_utils.compiling import reason
+
+    class Header(Exception):
+        pass
+
+    msg = (
+        "backend='inductor' raised:\nInvalidCxxCompiler: No working C++ compiler\n\nSet TORCH_LOGS"
+    )
+    assert reason(Header(msg)) == "Header: InvalidCxxCompiler: No working C++ compiler"
+    cause = RuntimeError("Cannot find a working triton installation")
+    import inspect
+
+    extra = [None] * (len(inspect.signature(BackendCompilerFailed.__init__).parameters) - 3)
+    wrapped = BackendCompilerFailed(lambda: None, cause, *extra)  # 2.14 also takes a frame
+    assert reason(wrapped) == "RuntimeError: Cannot find a working triton installation"
+
+
+@pytest.mark.slow
+def test_an_error_of_the_model_itself_is_not_called_a_compile_failure(capsys):
+    from torch import nn
+
+    from course_utils.compiling import compile_or_eager
+
+    class Picky(nn.Module):
+        def forward(self, x):
+            if x.shape[0] == 3:
+                raise ValueError("bad batch")
+            return x * 2
+
+    with pytest.raises(ValueError, match="bad batch"):
+        compile_or_eager(Picky(), lambda m: m(torch.ones(3, 2)))
+    assert "torch.compile does not work here" not in capsys.readouterr().out

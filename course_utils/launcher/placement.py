@@ -7,13 +7,19 @@ The rule, for ``world_size`` ranks and ``n`` visible GPUs (``device="auto"``, ``
   on ``cuda:r % n``), NCCL. NCCL 2.30 added running several ranks of one communicator on the same
   GPU (experimental, enabled by ``NCCL_MULTI_RANK_GPU_ENABLE=1``, which launch sets in the ranks'
   environment only); older NCCL refuses with "Duplicate GPU detected".
-- otherwise: CPU processes with gloo.
+- otherwise: CPU processes with gloo. (A torch built without NCCL keeps the ranks on the GPUs,
+  one each or shared, with gloo, which moves CUDA tensors through host memory.)
 
 Sharing is the default on purpose. A student with one GPU (a JupyterHub slot, Colab, a MIG
 slice) would otherwise run every multi-rank notebook on the CPU and never see an NCCL kernel, a
-CUDA stream or a device placement bug: shared ranks show all of those. What they cannot show is
-a speed-up: the ranks take turns on one GPU's streaming multiprocessors, so timings teach the
-mechanics, never the scaling (the notebooks say so where they time). ``device="cpu"`` opts out;
+CUDA stream or a tensor left on the wrong device: shared ranks show all of those (on one GPU every
+rank is ``cuda:0``, so a hard-coded ``"cuda:0"`` goes unnoticed there). What they cannot show is a
+speed-up: the ranks' processes take turns on the GPU (without MPS the GPU switches between their
+contexts), so timings teach the mechanics, never the scaling; the notebooks say so where they
+time. Each rank has its own CUDA context (a few hundred MB) and NCCL buffers: 8 ranks on a small
+MIG slice may not fit, and ``device="cpu"`` is then the way. Round-robin puts neighbouring ranks on
+different GPUs (on 2 GPUs, ranks 0 and 1 do not share), which is not how a real node places a
+tensor-parallel group; with one GPU it makes no difference. ``device="cpu"`` opts out;
 ``NCCL_MULTI_RANK_GPU_ENABLE=0`` in the environment turns sharing off. Every automatic decision
 prints one line saying where the ranks run.
 
@@ -113,14 +119,16 @@ class Placement:
             return f"{n} {r} on {n} GPU{'s' if n > 1 else ''}, one each, with {self.backend}"
         per = Counter(self.gpus)
         spread = ", ".join(f"cuda:{g} x{c}" for g, c in sorted(per.items()))
-        how = (
-            f"NCCL {_fmt(self.nccl)}'s experimental multi-rank mode"
-            if self.backend == "nccl"
-            else self.backend
-        )
+        if self.backend != "nccl":
+            return (
+                f"{n} ranks share {self.gpu_count} GPU{'s' if self.gpu_count > 1 else ''} "
+                f"({spread}) with {self.backend}, which moves CUDA tensors through host memory: "
+                "right for device placement, not for speed"
+            )
         return (
             f"{n} ranks share {self.gpu_count} GPU{'s' if self.gpu_count > 1 else ''} ({spread}) "
-            f"through {how}: real NCCL kernels, streams and placement, but not the speed-up of a GPU per rank"
+            f"through NCCL {_fmt(self.nccl)}'s experimental multi-rank mode: real NCCL kernels, "
+            "streams and placement, but not the speed-up of a GPU per rank"
         )
 
 
@@ -205,7 +213,7 @@ def plan(
         else "the course shares a GPU between ranks only with NVIDIA's NCCL >= 2.30, not ROCm's RCCL"
         if rocm
         else f"NCCL {_fmt(nccl)} cannot share a GPU between ranks (that needs NCCL >= "
-        f"{_fmt(SHARING_NCCL[:2])}, as in torch 2.14.1)"
+        f"{_fmt(SHARING_NCCL[:2])}, as in torch 2.14.1: make setup)"
     )
     if wants_gpu:
         fix = (

@@ -275,6 +275,7 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
         if payload["device_type"] == "cuda"
         else torch.device("cpu")
     )
+    os.environ["COURSE_DEVICE"] = str(device)  # a script's course_utils.dist.init() uses it
     ctx = RankContext(
         rank=rank,
         world_size=payload["world_size"],

@@ -41,7 +41,7 @@ def arguments(argv=None):
         "--amp",
         choices=["auto", "on", "off"],
         default="auto",
-        help="mixed precision: auto = on GPUs (bf16, else fp16 + scaler), off on CPU; "
+        help="mixed precision: auto = on GPUs (bf16 where native, else fp16 + scaler), off on CPU; "
         "on = also bfloat16 autocast on CPU",
     )
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers per rank")

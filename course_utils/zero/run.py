@@ -148,11 +148,17 @@ def states_and_allocator(
     """One training step with ``method`` and no reference model beside it: the model-state bytes
     counted (:func:`~.memory.count_model_states`) and, on a GPU, what the CUDA allocator holds for
     this rank's training at the same moment (``memory_allocated`` now minus before the model
-    existed; ``None`` on the CPU). The allocator's number adds the batch, the loss, buffers in
-    flight and 512-byte rounding: notebook 08 prints both."""
-    from ..measure import allocated_memory
+    existed; ``None`` on the CPU). The allocator's number adds what else the method keeps on the
+    device: the batch, communication buffers (torch DDP's gradient buckets, a second copy of the
+    gradients unless ``gradient_as_bucket_view=True``) and 512-byte rounding. Notebook 08 prints
+    both."""
+    import gc
+
+    from ..measure import allocated_memory, synchronize
 
     n, r = dist.get_world_size(), dist.get_rank()
+    gc.collect()  # a previous method's wrappers hold reference cycles (hooks): free them first
+    synchronize(ctx.device)
     before = allocated_memory(ctx.device)
     torch.manual_seed(0)
     net = MODELS[model]().to(ctx.device, dtype)
