@@ -682,3 +682,97 @@ def test_08_2_typical_mistakes(runs_root):
         checks.check_zero1_step, zero1_all_reduce, "Reduce-scatter sends each rank only its shard"
     )
     fails(checks.check_zero1_step, zero1_no_gather, "all-gather every rank's shard")
+
+
+# ---- the checks' own references and case lists -----------------------------------------------
+
+
+def _textbook_attention(x, wq, wk, wv, bq, bk, bv, wo, bo, a):
+    """Multi-head causal attention from separate Q, K, V matrices whose rows go head by head:
+    written here without the course's model or its fused layout."""
+    B, T, h = x.shape
+    hd = h // a
+
+    def heads(w, b):
+        return (x @ w.T + b).view(B, T, a, hd).transpose(1, 2)  # (B, a, T, hd)
+
+    q, k, v = heads(wq, bq), heads(wk, bk), heads(wv, bv)
+    scores = (q @ k.transpose(-2, -1)) / hd**0.5
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, h)
+    return y @ wo.T + bo
+
+
+@pytest.mark.parametrize("a, t, hd", [(4, 2, 3), (8, 4, 2), (6, 3, 4), (2, 2, 8)])
+def test_06_2_reference_runs_the_course_model_as_textbook_attention(a, t, hd):
+    """Check 06.2's reference shards, loaded into the course's attention layer on each of t
+    "ranks" (row-parallel proj, its bias added once), must compute what textbook attention with the
+    separate matrices computes. A reference with the wrong layout would agree with a wrong answer."""
+    from course_utils.checks.nb06 import _reference_shard
+    from course_utils.models import CausalSelfAttention, GPTConfig
+
+    h = a * hd
+    g = torch.Generator().manual_seed(a + 10 * t)
+    wq, wk, wv, wo = (torch.randn(h, h, generator=g, dtype=torch.float64) for _ in range(4))
+    bq, bk, bv, bo = (torch.randn(h, generator=g, dtype=torch.float64) for _ in range(4))
+    x = torch.randn(2, 5, h, generator=g, dtype=torch.float64)
+    want = _textbook_attention(x, wq, wk, wv, bq, bk, bv, wo, bo, a)
+    cfg = GPTConfig(vocab=8, seq_len=5, d_model=h, n_heads=a, n_layers=1, dropout=0.0)
+    total = torch.zeros_like(want)
+    for rank in range(t):
+        layer = CausalSelfAttention(cfg).double()
+        w, b = _reference_shard(wq, wk, wv, bq, bk, bv, rank, t, hd)
+        layer.qkv = nn.Linear(h, 3 * h // t).double()
+        layer.proj = nn.Linear(h // t, h, bias=False).double()
+        with torch.no_grad():
+            layer.qkv.weight.copy_(w)
+            layer.qkv.bias.copy_(b)
+            layer.proj.weight.copy_(wo[:, rank * h // t : (rank + 1) * h // t])  # row parallel
+        total += layer(x).detach()
+    torch.testing.assert_close(total + bo, want, rtol=1e-12, atol=1e-12)
+
+
+class _Spy:
+    """A right answer that also writes down what the check asked it: the cases the check covers."""
+
+    def __init__(self, answer, log):
+        self.answer, self.log = answer, str(log)
+
+    def __call__(self, *args):
+        import json
+
+        world = dist.get_world_size() if dist.is_initialized() else None
+        seen = [list(a.shape) if torch.is_tensor(a) else a for a in args[:3]]
+        with open(self.log, "a") as f:
+            f.write(json.dumps([*seen, world]) + "\n")
+        return self.answer(*args)
+
+
+def _asked(log) -> list:
+    import json
+
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_08_1_cases_cover_what_the_docstring_promises(tmp_path):
+    """08.1 promises uneven splits, fewer elements than ranks and one rank: its cases include them."""
+    log = tmp_path / "asked.jsonl"
+    checks.check_shard_bounds(_Spy(shard_bounds, log))
+    asked = [(numel, n) for numel, n, _rank, _world in _asked(log)]
+    assert any(numel % n for numel, n in asked)  # padding needed
+    assert any(numel < n for numel, n in asked)  # ranks left with padding only
+    assert any(n == 1 for _, n in asked) and any(numel % n == 0 for numel, n in asked)
+
+
+@pytest.mark.multiprocess
+def test_08_2_still_tries_an_uneven_padded_split_on_3_ranks(runs_root, tmp_path):
+    """ToyMLP's 1732 parameters do not split over 3 ranks: the flat buffer is padded to 1734. An
+    answer that only works without padding must meet that case."""
+    from course_utils.models import ToyMLP
+
+    psi = sum(p.numel() for p in ToyMLP().parameters())
+    log = tmp_path / "asked.jsonl"
+    checks.check_zero1_step(_Spy(zero1_step, log))
+    asked = {(tuple(flat), world) for flat, _grads, _shard, world in _asked(log)}
+    assert ((psi + (-psi) % 3,), 3) in asked and psi % 3, asked  # padded on 3 ranks
+    assert any(world == 2 for _, world in asked)

@@ -118,3 +118,47 @@ def test_torchrun_variables_win_over_slurm():
 )
 def test_first_host(nodelist, host):
     assert first_host(nodelist) == host
+
+
+@pytest.mark.parametrize(
+    "env, threads",
+    [
+        # torchrun, 2 nodes x 2 ranks on 8-core nodes: a node's 8 cores split by its 2 ranks
+        ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 4),
+        # srun alone, 2 nodes x 4 tasks: SLURM_TASKS_PER_NODE gives the ranks on this node
+        (
+            {
+                "SLURM_PROCID": "5",
+                "SLURM_NTASKS": "8",
+                "SLURM_LOCALID": "1",
+                "SLURM_TASKS_PER_NODE": "4(x2)",
+                "SLURM_JOB_NODELIST": "n[1-2]",
+            },
+            2,
+        ),  # fmt: skip
+    ],
+)
+def test_ranks_split_their_nodes_cores_not_the_jobs(monkeypatch, tmp_path, env, threads):
+    """The world spans nodes; the cores do not. Threads per rank = this node's usable cores divided
+    by the ranks on this node (LOCAL_WORLD_SIZE), not by the world size."""
+    import torch
+    import torch.distributed as dist
+
+    from course_utils import cpus
+    from course_utils import dist as cdist
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS",
+                 "COURSE_RUN_DIR", "COURSE_BACKEND", "COURSE_DEVICE", "COURSE_INIT_METHOD"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cpus, "cpu_budget", lambda *a: cpus.CpuBudget(8, 8, None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)  # no peers here
+    got = []
+    monkeypatch.setattr(torch, "set_num_threads", got.append)
+    ctx = cdist.init()
+    assert got == [threads] and ctx.local_world_size == 8 // threads
+    assert ctx.world_size == int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS")))

@@ -136,3 +136,18 @@ def test_every_notebook_has_two_coding_exercises_and_no_solution_survives(path, 
         assert line in answer_text, f"{path.name}: {line!r} is missing from the answers copy"
     for marker in (BEGIN, END):
         assert marker not in text and marker not in answer_text
+
+
+@pytest.mark.parametrize("kind", ["student", "answers"])
+def test_copies_carry_no_outputs_even_when_the_source_has_them(kind):
+    """A source notebook executed by mistake (make course writes outputs into build/, but an
+    instructor may save one in place): its copies still start clean."""
+    nb = toy_notebook()
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.execution_count = 7
+            cell.outputs = [nbformat.v4.new_output("stream", text="the answer is 55\n")]
+    out = copy(nb, "09_toy", kind)
+    code = [c for c in out.cells if c.cell_type == "code"]
+    assert code and all(c.outputs == [] and c.execution_count is None for c in code)
+    assert all(c.execution_count == 7 for c in nb.cells if c.cell_type == "code")  # source intact

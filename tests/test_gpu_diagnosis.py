@@ -225,3 +225,25 @@ def test_report_warns_below_the_floor():
 def test_every_nvidia_fixture_parses_or_is_the_failure_message(name):
     parsed = parse_nvidia_smi(fixture(name))
     assert parsed["driver"] or "failed" in fixture(name)
+
+
+@pytest.mark.parametrize(
+    "smi, torch_cuda, too_old",
+    [
+        ("nvidia-smi-535-a100x2.txt", "12.6", False),  # driver CUDA 12.2, torch 12.6: same major
+        ("nvidia-smi-535-a100x2.txt", "12.2", False),  # exactly the driver's CUDA
+        ("nvidia-smi-535-a100x2.txt", "13.0", True),  # one major release ahead
+        ("nvidia-smi-580-h100.txt", "13.0", False),  # 580's CUDA 13.0 and a cu130 build
+        ("nvidia-smi-580-h100.txt", "12.6", False),  # an older build on a newer driver
+        ("nvidia-smi-470-v100x4.txt", "11.8", False),  # 470: CUDA 11.4, minor-version compatible
+        ("nvidia-smi-470-v100x4.txt", "12.1", True),
+    ],
+)
+def test_a_driver_of_the_same_cuda_major_is_not_too_old(smi, torch_cuda, too_old):
+    """CUDA's minor-version compatibility: a build for CUDA M.x runs on any driver for M.0 or newer,
+    so only a driver of an older *major* release is too old for torch's build."""
+    d = diagnose(nvidia(smi, torch_cuda=torch_cuda, cuda_warning="CUDA unavailable"))
+    said_too_old = "which needs a driver >=" in (d.problem or "")
+    assert said_too_old is too_old, d.problem
+    if not too_old:
+        assert d.problem.startswith("torch (CUDA") and "found no usable GPU" in d.problem

@@ -147,3 +147,31 @@ def test_torch_native_3d_equals_one_process(runs_root):
         assert r["dtensor"]  # the parameters really are sharded DTensors
         for dim in ("tp", "pp", "dp"):  # DeviceMesh("pp", "dp", "tp") builds ParallelDims' groups
             assert r["mesh_ranks"][dim] in d.group_ranks(dim) and rank in r["mesh_ranks"][dim]
+
+
+DIMS3 = ("pp", "dp", "tp")
+
+
+def _mesh_groups(ctx, dp, pp, tp):
+    import torch.distributed as dist
+
+    mesh = ParallelDims(dp, pp, tp, world_size=ctx.world_size).mesh("cpu")
+    return {
+        "shape": tuple(mesh.shape),
+        "names": tuple(mesh.mesh_dim_names),
+        "ranks": {d: sorted(dist.get_process_group_ranks(mesh[d].get_group())) for d in DIMS3},
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dp, pp, tp", [(1, 2, 2), (2, 1, 2), (4, 1, 1), (1, 4, 1)])
+def test_the_device_mesh_has_its_dimensions_in_the_order_its_names_say(runs_root, dp, pp, tp):
+    """A mesh of shape (dp, pp, tp) named ("pp", "dp", "tp") still builds groups that look right
+    when dp == pp. Unequal degrees tell them apart: mesh["pp"] must span pp ranks."""
+    res = launch(_mesh_groups, 4, dp=dp, pp=pp, tp=tp, device="cpu", echo=False, timeout=120)
+    d = ParallelDims(dp, pp, tp)
+    for rank, r in enumerate(res.results):
+        assert r["shape"] == (pp, dp, tp) and r["names"] == DIMS3
+        for dim in DIMS3:
+            assert r["ranks"][dim] in d.group_ranks(dim) and rank in r["ranks"][dim], (dim, r)
+            assert len(r["ranks"][dim]) == {"pp": pp, "dp": dp, "tp": tp}[dim]

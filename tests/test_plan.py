@@ -272,3 +272,30 @@ def test_compare_narayanan_table1():
         assert 0.7 < row["paper_layout_step_s"] / row["paper_measured_step_s"] < 1.3
     for row in rows[5:]:  # 76B and up: like the paper, TP fills the node and PP spans nodes
         assert row["t"] == 8 and row["p"] > 1
+
+
+def test_pipeline_messages_shrink_by_t_with_sequence_parallelism():
+    """With SP the activation at a stage boundary is split along the sequence: each of the t ranks
+    of a stage sends b·s·h/t values to its peer in the next stage, not b·s·h."""
+    model = Transformer(layers=8, hidden=1024, heads=16, seq_len=512, vocab=1024, global_batch=16)
+    c = Choice(dp=1, pp=2, tp=4, micro_batches=8)  # b = 16 / 8 = 2
+    b, s, h, m, p = 2, 512, 1024, 8, 2
+    link = BIG.intra  # dp·pp·tp = 8 GPUs: one node of BIG, every link inside it
+    plain = predict(model, BIG, c).time["pp_comm"]
+    sp = predict(model, BIG, c, sequence_parallel=True).time["pp_comm"]
+    messages = 2 * (m + p - 2)  # forward activations and backward gradients, as 1F1B sends them
+    assert plain == pytest.approx(messages * (link.alpha + b * s * h * 2 / link.beta), rel=1e-12)
+    assert sp == pytest.approx(messages * (link.alpha + b * s * h * 2 / 4 / link.beta), rel=1e-12)
+
+
+def test_the_fullest_stage_sets_the_compute_time():
+    """L = 10 layers on p = 4 stages: the fullest stage has ceil(10/4) = 3 layers, and the others
+    wait for it, so compute takes 3·4/10 = 1.2 times the evenly divided share."""
+    model = Transformer(layers=10, hidden=256, heads=8, seq_len=128, vocab=512, global_batch=8)
+    B, s, L, h, V = 8, 128, 10, 256, 512
+    flops = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
+    pred = predict(model, BIG, Choice(dp=2, pp=4, tp=1, micro_batches=4))  # 8 GPUs of BIG at 50%
+    assert pred.detail["layers_per_stage"] == 3
+    assert pred.time["compute"] == pytest.approx(flops / (8 * 50e12) * 1.2, rel=1e-12)
+    five = predict(model, BIG, Choice(dp=1, pp=5, tp=1, micro_batches=8))  # 5 divides 10: even
+    assert five.time["compute"] == pytest.approx(flops / (5 * 50e12), rel=1e-12)

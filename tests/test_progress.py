@@ -81,3 +81,27 @@ def test_progress_is_off_without_a_terminal_or_notebook(tmp_path):
     assert p.mode == "off"
     p.update(force=True)
     p.finish({0: "done", 1: "done"})
+
+
+class _TTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("has_kernel, mode", [(False, "line"), (True, "widget")])
+def test_a_terminal_ipython_gets_the_line_and_a_notebook_the_widget(
+    tmp_path, monkeypatch, has_kernel, mode
+):
+    """`ipython` in a terminal is an IPython shell with no kernel: widgets would print as text
+    there (`HBox(children=...)`), so it gets the one-line status; a Jupyter kernel gets widgets."""
+    import IPython
+
+    class Shell:  # TerminalInteractiveShell has no .kernel; ZMQInteractiveShell does
+        pass
+
+    shell = Shell()
+    if has_kernel:
+        shell.kernel = object()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    monkeypatch.setattr(sys, "stdout", _TTY())
+    assert Progress(tmp_path, 2, delay=0.0).mode == mode

@@ -79,6 +79,28 @@ def test_runs_root_writable_by_others_is_refused_untouched(tmp_path, monkeypatch
     assert mode(root) == 0o777 and list(root.iterdir()) == []
 
 
+@pytest.mark.parametrize("bits", [0o770, 0o775, 0o720])
+def test_runs_root_writable_by_its_group_is_refused_too(tmp_path, monkeypatch, bits):
+    """On a shared node a group holds many users: group-writable is as open as world-writable."""
+    root = tmp_path / "runs"
+    root.mkdir()
+    root.chmod(bits)
+    monkeypatch.setenv("COURSE_RUNS_DIR", str(root))
+    with pytest.raises(RunDirError, match="writable by other users"):
+        new_run_dir("x")
+    assert mode(root) == bits and list(root.iterdir()) == []
+
+
+def test_parent_writable_by_its_group_without_sticky_bit_is_refused(tmp_path, monkeypatch):
+    group_dir = tmp_path / "group"
+    group_dir.mkdir()
+    group_dir.chmod(0o775)
+    monkeypatch.setenv("COURSE_RUNS_DIR", str(group_dir / "runs"))
+    with pytest.raises(RunDirError, match="not sticky"):
+        new_run_dir("x")
+    assert list(group_dir.iterdir()) == []
+
+
 def test_runs_root_readable_by_others_is_used_as_is(tmp_path, monkeypatch):
     root = tmp_path / "runs"
     root.mkdir()

@@ -313,3 +313,43 @@ def test_hub_env_serves_every_user_from_one_place(site, tmp_path):
         os.environ.update(old)
     text = "".join(o.get("text", "") for c in nb.cells for o in c.outputs)
     assert "Traceback" not in text
+
+
+def test_default_torch_after_a_site_torch_venv_rebuilds_for_the_pinned_torch(tmp_path, monkeypatch):
+    """`make setup USE_SYSTEM_TORCH=0` in a checkout whose venv was made for the site's torch: the
+    venv is rebuilt without the system's packages and the pinned torch is what gets installed, not
+    the site torch remembered in .setup-config.json. With no option at all, the choice stays."""
+    import argparse
+
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / "pyvenv.cfg").write_text("include-system-site-packages = true\n")
+    (venv / setup_env.CONFIG).write_text(
+        json.dumps({"torch_index": None, "torch_pins": None, "system_torch": True})
+    )
+    (venv / "bin").mkdir()
+    (venv / "bin" / "python").write_text("")
+    made = []
+
+    def fake_run(cmd, **kw):  # `python -m venv ...`: make the folder it would make
+        made.append(cmd)
+        (venv / "bin").mkdir(parents=True, exist_ok=True)
+        (venv / "bin" / "python").write_text("")
+        (venv / "pyvenv.cfg").write_text("")
+
+    monkeypatch.setattr(setup_env, "run", fake_run)
+
+    def args(**kw):
+        base = dict(python="python3", torch_index=None, torch_pins=None, system_torch=False,
+                    default_torch=False)  # fmt: skip
+        return argparse.Namespace(**(base | kw))
+
+    keep = args()
+    setup_env.prepare_venv(keep, venv)  # no option: the venv keeps the site's torch
+    assert made == [] and keep.system_torch is True
+
+    back = args(default_torch=True)
+    setup_env.prepare_venv(back, venv)
+    assert len(made) == 1 and "--system-site-packages" not in made[0]
+    assert back.system_torch is False  # install_torch then installs requirements.txt's torch
+    assert json.loads((venv / setup_env.CONFIG).read_text())["system_torch"] is False

@@ -112,3 +112,69 @@ def test_a_resumed_job_trains_exactly_as_one_that_never_stopped(runs_root, tmp_p
     assert resumed["losses"] == straight["losses"]
     steps = [json.loads(x)["step"] for x in (job / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, straight["steps"] + 1))
+
+
+def mean_of_ranks(ctx):
+    import torch
+
+    from course_utils.train.common import global_mean
+
+    return global_mean(torch.tensor(float(ctx.rank + 1), device=ctx.device), ctx)
+
+
+def test_the_logged_loss_is_the_mean_over_ranks(runs_root):
+    """Each rank's loss is the mean over its shard; the global batch's loss is their mean (equal
+    shards), never their sum: 1, 2 and 3 on three ranks log 2."""
+    assert launch(mean_of_ranks, 3, echo=False).results == [2.0, 2.0, 2.0]
+
+
+def recording_worker(ctx, job, epochs=2):
+    """train/ddp.py's own main(), with its training set wrapped to record which samples each rank
+    reads, in order."""
+    import torch
+
+    from course_utils.train import ddp
+
+    seen = []
+    real = ddp.load_dataset
+
+    class Recording(torch.utils.data.Dataset):
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __len__(self):
+            return len(self.inner)
+
+        def __getitem__(self, i):
+            seen.append(int(i))
+            return self.inner[i]
+
+    def load(*args, **kwargs):
+        loaded = real(*args, **kwargs)
+        if kwargs.get("train", True):
+            loaded.dataset = Recording(loaded.dataset)
+        return loaded
+
+    ddp.load_dataset = load
+    ddp.main(["--size", "ci", "--epochs", str(epochs), "--workers", "0", "--profile", "off",
+              "--job-dir", job])  # fmt: skip
+    return seen
+
+
+def test_every_epoch_reshuffles_and_every_rank_reads_its_own_shard(runs_root, tmp_path):
+    """DistributedSampler.set_epoch: the order changes from epoch to epoch (the same on every rank),
+    and within an epoch the ranks read disjoint shards that together cover the data."""
+    from course_utils.sizes import get_size
+
+    ci = get_size("ci")
+    res = launch(recording_worker, 2, job=str(tmp_path / "job"), echo=False, timeout=240)
+    per_epoch = ci.train_samples // 2  # the samples one rank reads in one epoch (drop_last)
+    epochs = [[seen[e * per_epoch : (e + 1) * per_epoch] for e in range(2)] for seen in res.results]
+    assert all(len(seen) == 2 * per_epoch for seen in res.results)
+    for rank in range(2):
+        assert epochs[rank][0] != epochs[rank][1], f"rank {rank} read epoch 1 in epoch 0's order"
+        assert sorted(epochs[rank][0]) != sorted(range(per_epoch))  # shuffled, not a plain prefix
+    for e in range(2):
+        a, b = set(epochs[0][e]), set(epochs[1][e])
+        assert not a & b, f"epoch {e}: ranks 0 and 1 read {len(a & b)} samples twice"
+        assert a | b == set(range(ci.train_samples))

@@ -112,6 +112,26 @@ def test_an_updated_copy_the_student_moved_to_is_never_overwritten(tmp_path):
     ]
 
 
+def test_an_untouched_updated_copy_is_refreshed_to_the_newest_version(tmp_path):
+    """A student who edited 01 and never opened 01_a.updated.ipynb must find the *newest* course
+    version there after the next update, in place, not a second copy beside a stale one."""
+    src, work = tmp_path / "notebooks", tmp_path / "work"
+    src.mkdir()
+    write_source(src, "01_a", "version 1")
+    prepare(work, src=src)
+    edit(work / "01_a.ipynb", 1, source="def f(a, b):\n    return b + a  # my answer")
+    write_source(src, "01_a", "version 2")
+    updated = work / "01_a.updated.ipynb"
+    assert prepare(work, src=src)[0].path == updated
+    assert nbformat.read(updated, as_version=4).cells[0].source == "version 2"
+    write_source(src, "01_a", "version 3")  # .updated untouched: refreshed in place
+    (change,) = prepare(work, src=src)
+    assert (change.action, change.path, change.also_kept) == ("kept", updated, [])
+    assert nbformat.read(updated, as_version=4).cells[0].source == "version 3"
+    assert not (work / "01_a.updated-2.ipynb").exists()
+    assert "my answer" in nbformat.read(work / "01_a.ipynb", as_version=4).cells[1].source
+
+
 def test_work_is_ignored_by_git_and_sources_stay_clean(tmp_path):
     out = subprocess.run(
         ["git", "check-ignore", "work/01_single_gpu.ipynb"],

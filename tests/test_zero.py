@@ -176,3 +176,21 @@ def test_decide_follows_the_lectures_rules():
     assert "fits in 72 GB?" in table(r)
     with pytest.raises(ValueError, match="positive"):
         decide(1e9, 0, 80e9)
+
+
+def test_decide_when_zero3s_gathered_layer_tips_the_memory():
+    """40 B parameters on 64 GPUs of 80 GB (72 GB usable): ZeRO-2 needs 2Ψ + 14Ψ/64 = 88.75 GB,
+    too much; ZeRO-3's states are 16Ψ/64 = 10 GB and fit alone, but the gathered layer (4 bytes a
+    parameter: 16-bit weights and gradients) of 16 B parameters adds 64 GB. Nothing fits; the
+    shards then need 640 GB / (72 - 64) GB = 80 GPUs."""
+    from course_utils.zero.decide import decide
+
+    alone = decide(40e9, 64, 80e9)
+    assert [row["fits"] for row in alone["rows"]] == [False, False, False, True]
+    assert alone["rows"][3]["bytes"] == 10e9
+    r = decide(40e9, 64, 80e9, largest_layer_params=16e9)
+    assert r["rows"][3]["bytes"] == 10e9 + 64e9 and not any(row["fits"] for row in r["rows"])
+    assert r["advice"][0].startswith("the model states (640 GB) do not fit in 64 GPUs beside")
+    assert "the gathered layer: at least 80 GPUs" in r["advice"][0]
+    edge = decide(40e9, 64, 80e9, largest_layer_params=15.5e9)  # 10 + 62 = 72 GB: fits exactly
+    assert edge["rows"][3]["fits"] and edge["advice"][0].startswith("ZeRO-3")
