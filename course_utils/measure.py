@@ -11,6 +11,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -106,6 +107,71 @@ def time_steps(
         synchronize(device)
         times.append(time.perf_counter() - t0)
     return times
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call over many timed calls: the median and the spread around it."""
+
+    samples: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def q1(self) -> float:
+        """25th percentile: a quarter of the calls were faster."""
+        return _quantile(self.samples, 0.25)
+
+    @property
+    def q3(self) -> float:
+        """75th percentile: a quarter of the calls were slower."""
+        return _quantile(self.samples, 0.75)
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range relative to the median: 0.1 means the middle half of the calls lay
+        within a band 10% of the median wide."""
+        return (self.q3 - self.q1) / self.median
+
+    def rate(self, items: float) -> float:
+        """Items (images, tokens) per second at the median."""
+        return items / self.median
+
+    def __str__(self) -> str:
+        return (
+            f"{self.median * 1e3:.1f} ms [{self.q1 * 1e3:.1f}, {self.q3 * 1e3:.1f}] "
+            f"(median [quartiles] of {len(self.samples)})"
+        )
+
+
+def _quantile(xs, q: float) -> float:
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def compare(
+    steps: dict[str, Callable[[], object]],
+    rounds: int,
+    per_round: int,
+    warmup: int,
+    device: torch.device | str,
+) -> dict[str, Timing]:
+    """Time several versions of a step side by side, interleaved: ``rounds`` times, each version in
+    turn runs ``per_round`` timed calls (after ``warmup`` untimed ones, once). A busy neighbour or a
+    clock that changes speed then slows every version alike, and the ratios of their medians hold
+    where single back-to-back runs would not. Returns a :class:`Timing` per version."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            samples[name] += time_steps(step, per_round, 0, device)
+    return {name: Timing(tuple(v)) for name, v in samples.items()}
 
 
 def peak_memory(device: torch.device | str) -> int | None:

@@ -23,6 +23,7 @@ from course_utils.pipeline.partition import balanced_split as reference_split
 from course_utils.pipeline.simulate import _order, simulate
 from course_utils.profiling import collectives
 from course_utils.profiling.analysis import classify_name, subtract, union
+from course_utils.zero.memory import count_model_states as package_count
 
 
 def fails(check, answer, hint: str, absent=()) -> str:
@@ -130,66 +131,115 @@ def test_01_2_measuring_is_refused():
     assert nn.Linear(2, 2)(torch.randn(1, 2)).grad_fn is not None
 
 
-# ---- 02.1 scatter sizes -----------------------------------------------------------------------
+# ---- 01.3 gradient accumulation ---------------------------------------------------------------
 
 
-def scatter_sizes(batch, k):
-    per = -(-batch // k)
-    sizes = []
-    while batch > 0:
-        sizes.append(min(per, batch))
-        batch -= per
-    return sizes
+def accumulated_step(model, optimizer, x, y, k):
+    optimizer.zero_grad(set_to_none=True)
+    for xm, ym in zip(x.tensor_split(k), y.tensor_split(k)):
+        (nn.functional.cross_entropy(model(xm), ym) * len(xm) / len(x)).backward()
+    optimizer.step()
 
 
-def test_02_1_scatter_sizes(capsys):
-    checks.check_scatter_sizes(scatter_sizes)
-    assert "✓ exercise 02.1" in capsys.readouterr().out
+def test_01_3_accumulated_step(capsys):
+    checks.check_accumulated_step(accumulated_step)
+    assert "✓ exercise 01.3" in capsys.readouterr().out
 
 
-def test_02_1_typical_mistakes():
-    def balanced(batch, k):  # 100 on 3 -> 34, 33, 33: what chunk does not do
-        q, r = divmod(batch, k)
-        return [q + 1] * r + [q] * (k - r)
+def test_01_3_typical_mistakes():
+    def divided_by_k(model, optimizer, x, y, k):
+        optimizer.zero_grad()
+        for xm, ym in zip(x.tensor_split(k), y.tensor_split(k)):
+            (nn.functional.cross_entropy(model(xm), ym) / k).backward()
+        optimizer.step()
 
-    def always_k(batch, k):  # k chunks, the last takes what is left (2 on 4 -> 1, 1, 1, -1)
-        per = -(-batch // k)
-        return [per] * (k - 1) + [batch - per * (k - 1)]
+    def stale_gradients(model, optimizer, x, y, k):
+        for xm, ym in zip(x.tensor_split(k), y.tensor_split(k)):
+            (nn.functional.cross_entropy(model(xm), ym) * len(xm) / len(x)).backward()
+        optimizer.step()
 
-    msg = fails(checks.check_scatter_sizes, balanced, "Every chunk but the last has the same size")
-    assert "100 on 3" in msg and "32" not in msg and "ceil" not in msg and "rounded up" not in msg
-    fails(checks.check_scatter_sizes, always_k, "never makes an empty chunk", ["[1, 1]"])
+    def step_per_micro_batch(model, optimizer, x, y, k):
+        for xm, ym in zip(x.tensor_split(k), y.tensor_split(k)):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(xm), ym).backward()
+            optimizer.step()
 
+    def whole_batch(model, optimizer, x, y, k):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
 
-def test_02_1_splitting_a_tensor_is_refused():
-    def by_chunk(batch, k):
-        return [c.shape[0] for c in torch.empty(batch).chunk(k)]
-
-    def by_split(batch, k):
-        return [c.shape[0] for c in torch.split(torch.empty(batch), -(-batch // k))]
-
-    fails(checks.check_scatter_sizes, by_chunk, "split a tensor")
-    fails(checks.check_scatter_sizes, by_split, "split a tensor")
-    assert [c.shape[0] for c in torch.empty(5).chunk(2)] == [3, 2]  # and chunk works again
-
-
-# ---- 02.2 reduce onto device 0 ----------------------------------------------------------------
+    fails(checks.check_accumulated_step, divided_by_k, "weigh each micro-batch's mean loss")
+    fails(checks.check_accumulated_step, stale_gradients, "clear last step's gradients")
+    fails(checks.check_accumulated_step, step_per_micro_batch, "step once")
+    fails(checks.check_accumulated_step, whole_batch, "micro-batches of at most")
 
 
-def reduce_gradients(model, replicas):
+def state_via_package(model, optimizer):  # as a notebook cell writes it: the import is global
+    s = package_count(model, optimizer)
+    return {k: s.bytes(k) for k in ("parameters", "gradients", "optimizer")}
+
+
+def test_01_1_the_package_count_is_refused():
+    fails(
+        checks.check_state_bytes, state_via_package, "count_model_states is this exercise's answer"
+    )
+    fails(checks.check_state_bytes, package_count, "count_model_states")
+
+
+# ---- 02.1 the DataParallel step, 02.2 without the gather ---------------------------------------
+
+
+def _reduce(model, replicas):
     for p, *copies in zip(model.parameters(), *(r.parameters() for r in replicas)):
         grads = [c.grad for c in copies if c.grad is not None]
         p.grad = sum(grads) if grads else None
 
 
-def test_02_2_reduce_gradients(capsys):
-    checks.check_reduce_gradients(reduce_gradients)
-    assert "✓ exercise 02.2" in capsys.readouterr().out
+def data_parallel_step(model, x, y, k, reduce=_reduce, threads=True):
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunks = x.chunk(k)
+    replicas = [copy.deepcopy(model) for _ in chunks]
+    if threads:
+        with ThreadPoolExecutor(len(chunks)) as pool:
+            outs = list(pool.map(lambda a: a[0](a[1]), zip(replicas, chunks)))
+    else:
+        outs = [r(c) for r, c in zip(replicas, chunks)]
+    loss = nn.functional.cross_entropy(torch.cat(outs), y)
+    loss.backward()
+    reduce(model, replicas)
+    return loss.detach()
 
 
-def test_02_2_typical_mistakes():
+def local_loss_step(model, x, y, k, weight=lambda xc, x, n: len(xc) / len(x)):
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunks = list(zip(x.chunk(k), y.chunk(k)))
+    replicas = [copy.deepcopy(model) for _ in chunks]
+
+    def run(a):
+        r, (xc, yc) = a
+        share = nn.functional.cross_entropy(r(xc), yc) * weight(xc, x, len(chunks))
+        share.backward()
+        return share.detach()
+
+    with ThreadPoolExecutor(len(chunks)) as pool:
+        shares = list(pool.map(run, zip(replicas, chunks)))
+    _reduce(model, replicas)
+    return sum(shares)
+
+
+def test_02_1_data_parallel_step(capsys):
+    checks.check_data_parallel_step(data_parallel_step)
+    assert "✓ exercise 02.1" in capsys.readouterr().out
+
+
+def test_02_1_typical_mistakes():
     def averaged(model, replicas):
-        reduce_gradients(model, replicas)
+        _reduce(model, replicas)
         for p in model.parameters():
             if p.grad is not None:
                 p.grad /= len(replicas)
@@ -198,8 +248,51 @@ def test_02_2_typical_mistakes():
         for p, *copies in zip(model.parameters(), *(r.parameters() for r in replicas)):
             p.grad = sum((c.grad for c in copies if c.grad is not None), torch.zeros_like(p))
 
-    fails(checks.check_reduce_gradients, averaged, "do not average them", ["tensor("])
-    fails(checks.check_reduce_gradients, zeros_for_missing, "get no gradient", ["tensor("])
+    def with_(**kw):
+        return lambda model, x, y, k: data_parallel_step(model, x, y, k, **kw)
+
+    fails(checks.check_data_parallel_step, with_(reduce=averaged), "sum them, do not average")
+    fails(checks.check_data_parallel_step, with_(reduce=zeros_for_missing), "get no gradient")
+    fails(checks.check_data_parallel_step, with_(threads=False), "a thread of its own")
+
+
+def test_02_1_bypasses_are_refused():
+    from course_utils.checks.nb02 import _reference_step
+
+    def plain_data_parallel(model, x, y, k):  # on the CPU: a plain call of the model
+        loss = nn.functional.cross_entropy(nn.DataParallel(model)(x), y)
+        loss.backward()
+        return loss.detach()
+
+    def one_device(model, x, y, k):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    fails(checks.check_data_parallel_step, plain_data_parallel, "nn.DataParallel is what")
+    fails(checks.check_data_parallel_step, one_device, "scatter the batch")
+    fails(checks.check_data_parallel_step, _reference_step, "the check's own copy")
+    code = _reference_step.__code__  # the same code under another name, as if pasted in a cell
+    pasted = type(_reference_step)(code, _reference_step.__globals__, "my_step")
+    fails(checks.check_data_parallel_step, pasted, "the check's own copy")
+    assert nn.DataParallel(nn.Linear(2, 2))  # and DataParallel works again
+
+
+def test_02_2_local_loss_step(capsys):
+    checks.check_local_loss_step(local_loss_step)
+    assert "✓ exercise 02.2" in capsys.readouterr().out
+
+
+def test_02_2_typical_mistakes():
+    def divided_by_k(model, x, y, k):
+        return local_loss_step(model, x, y, k, weight=lambda xc, x, n: 1 / n)
+
+    def unweighted(model, x, y, k):
+        return local_loss_step(model, x, y, k, weight=lambda xc, x, n: 1.0)
+
+    fails(checks.check_local_loss_step, divided_by_k, "weighted by its share of the samples")
+    fails(checks.check_local_loss_step, unweighted, "differs from one device's")
+    fails(checks.check_local_loss_step, data_parallel_step, "computed on gathered outputs")
 
 
 # ---- 03.1 ring all-reduce (real ranks) --------------------------------------------------------

@@ -8,8 +8,8 @@ prints the expected answer. When something is wrong it says what, with a hint
 
 Exercises, by notebook (``python -m course_utils copies --kind student`` removes the solutions):
 
-- 01: :func:`check_state_bytes`, :func:`check_mlp_activation_bytes`
-- 02: :func:`check_scatter_sizes`, :func:`check_reduce_gradients`
+- 01: :func:`check_state_bytes`, :func:`check_mlp_activation_bytes`, :func:`check_accumulated_step`
+- 02: :func:`check_data_parallel_step`, :func:`check_local_loss_step`
 - 03: :func:`check_ring_all_reduce`, :func:`check_ddp_unused_parameters`
 - 04: :func:`check_exposed_communication`, :func:`check_bus_bandwidth`
 - 05: :func:`check_one_f_one_b`, :func:`check_balanced_split`
@@ -19,8 +19,8 @@ Exercises, by notebook (``python -m course_utils copies --kind student`` removes
 """
 
 from .common import ExerciseError
-from .nb01 import check_mlp_activation_bytes, check_state_bytes
-from .nb02 import check_reduce_gradients, check_scatter_sizes
+from .nb01 import check_accumulated_step, check_mlp_activation_bytes, check_state_bytes
+from .nb02 import check_data_parallel_step, check_local_loss_step
 from .nb03 import check_ddp_unused_parameters, check_ring_all_reduce
 from .nb04 import check_bus_bandwidth, check_exposed_communication
 from .nb05 import check_balanced_split, check_one_f_one_b
@@ -30,19 +30,20 @@ from .nb08 import check_shard_bounds, check_zero1_step
 
 __all__ = [
     "ExerciseError",
+    "check_accumulated_step",
     "check_balanced_split",
     "check_bus_bandwidth",
     "check_coords",
+    "check_data_parallel_step",
     "check_ddp_unused_parameters",
     "check_exposed_communication",
     "check_links",
+    "check_local_loss_step",
     "check_mlp_activation_bytes",
     "check_one_f_one_b",
     "check_qkv_shard",
-    "check_reduce_gradients",
     "check_ring_all_reduce",
     "check_row_parallel_linear",
-    "check_scatter_sizes",
     "check_shard_bounds",
     "check_state_bytes",
     "check_zero1_step",

@@ -89,3 +89,33 @@ def launch_check(number: str, worker, world_size: int, **kwargs):
         if e.exc_type == "ExerciseError":
             raise ExerciseError(f"rank {e.rank}: {e.exc_message}") from None
         raise
+
+
+def _code_shape(code) -> tuple:
+    """What a function does, without its names, docstring or line numbers: its bytecode, the
+    globals and attributes it reaches, and its constants (nested functions compared the same way)."""
+    consts = []
+    for i, c in enumerate(code.co_consts):
+        if i == 0 and (c is None or isinstance(c, str)):
+            continue  # the docstring's place (None when there is none)
+        consts.append(_code_shape(c) if hasattr(c, "co_code") else repr(c))
+    return (code.co_code, code.co_names, tuple(consts))
+
+
+def same_code(student_fn, reference) -> bool:
+    """True when ``student_fn`` is ``reference``, a subclass of it, or a copy of its code pasted
+    under another name (local variables renamed or not): the same bytecode, globals and constants."""
+    if student_fn is reference:
+        return True
+    if isinstance(student_fn, type) and isinstance(reference, type):
+        return issubclass(student_fn, reference)
+    a, b = getattr(student_fn, "__code__", None), getattr(reference, "__code__", None)
+    return a is not None and b is not None and _code_shape(a) == _code_shape(b)
+
+
+def refuse_copies(number: str, student_fn, references, message: str) -> None:
+    """Fail when the student's function is one of ``references`` (the package's own versions of
+    the answer) or a copy of one of them."""
+    for ref in references:
+        if same_code(student_fn, ref):
+            fail(number, message)

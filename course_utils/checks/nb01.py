@@ -1,4 +1,5 @@
-"""Checks for notebook 01 (one GPU): the memory a model's training state takes."""
+"""Checks for notebook 01 (one GPU): the memory a model's training state takes, and gradient
+accumulation."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from torch import nn
 
 from ..measure import saved_activations
 from ..models import FrozenMLP, ToyMLP
-from .common import RefuseTorch, fail, passed
+from .common import RefuseTorch, fail, passed, refuse_copies, refused
 
 
 class _TiedLM(nn.Module):
@@ -83,9 +84,17 @@ HINTS = {
 
 def check_state_bytes(state_bytes) -> None:
     """Exercise 01.1: ``state_bytes(model, optimizer) -> {"parameters", "gradients", "optimizer"}``."""
+    from ..zero.memory import count_model_states
+
     cases = _cases()
+    message = (
+        "count the tensors yourself: course_utils.zero's count_model_states is this exercise's "
+        "answer"
+    )
+    refuse_copies("01.1", state_bytes, [count_model_states], message)
     for label, model, opt in cases:
-        got = state_bytes(model, opt)
+        with refused("01.1", state_bytes, count_model_states, message):
+            got = state_bytes(model, opt)
         if not isinstance(got, dict) or set(got) != {"parameters", "gradients", "optimizer"}:
             fail("01.1", "return a dict with the keys 'parameters', 'gradients' and 'optimizer'")
         expected = _reference(model, opt)
@@ -159,3 +168,81 @@ def check_mlp_activation_bytes(mlp_activation_bytes) -> None:
     passed(
         "01.2", f"activation bytes right for {len(cases)} MLPs (measured with saved-tensor hooks)"
     )
+
+
+class _Counted(nn.Module):
+    """A model that remembers the batch size of every forward call."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.seen = inner, []
+
+    def forward(self, x):
+        self.seen.append(x.shape[0])
+        return self.inner(x)
+
+
+def _accumulation_cases():
+    """(label, make model, make optimizer, global batch, k)."""
+    adam = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731 - one step of Adam is not linear
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3)  # noqa: E731
+    return [
+        ("an MLP, 32 samples in 4 micro-batches, SGD", ToyMLP, sgd, 32, 4),
+        ("an MLP, 30 samples in 4 micro-batches (8, 8, 7, 7), SGD", ToyMLP, sgd, 30, 4),
+        ("an MLP, 10 samples in 3 micro-batches (4, 3, 3), Adam", ToyMLP, adam, 10, 3),
+        (
+            "an MLP with a frozen layer, 12 samples in 12 micro-batches, Adam",
+            FrozenMLP,
+            adam,
+            12,
+            12,
+        ),
+        ("an MLP, 16 samples in 1 micro-batch, Adam", ToyMLP, adam, 16, 1),
+    ]
+
+
+def check_accumulated_step(accumulated_step) -> None:
+    """Exercise 01.3: ``accumulated_step(model, optimizer, x, y, k)``: one optimizer step on the
+    batch ``(x, y)`` computed in ``k`` micro-batches, equal to one step on the whole batch."""
+    for label, make, make_opt, batch, k in _accumulation_cases():
+        torch.manual_seed(1)
+        ref_model = make().double()
+        model = _Counted(make().double())
+        model.inner.load_state_dict(ref_model.state_dict())
+        opt_ref, opt = make_opt(ref_model.parameters()), make_opt(model.parameters())
+        g = torch.Generator().manual_seed(batch * 10 + k)
+        x = torch.randn(batch, 16, generator=g, dtype=torch.float64)
+        y = torch.randint(4, (batch,), generator=g)
+        for p in model.parameters():  # last step's gradients, left behind: they must not count
+            p.grad = torch.ones_like(p) if p.requires_grad else None
+        opt_ref.zero_grad()
+        nn.functional.cross_entropy(ref_model(x), y).backward()
+        opt_ref.step()
+        accumulated_step(model, opt, x, y, k)
+        biggest = -(-batch // k)
+        if not model.seen or max(model.seen) > biggest:
+            fail("01.3", f"for {label}, the model saw a batch of {max(model.seen, default=0)}: "
+                 f"run it on micro-batches of at most {biggest} samples, one after another")  # fmt: skip
+        if sum(model.seen) != batch or len(model.seen) != k:
+            fail("01.3", f"for {label}, the model saw {len(model.seen)} micro-batches of "
+                 f"{sum(model.seen)} samples in all: run each of the k micro-batches once")  # fmt: skip
+        err = max(
+            (p - q).abs().max().item()
+            for p, q in zip(model.inner.parameters(), ref_model.parameters())
+        )
+        if err < 1e-12:
+            continue
+        if "(8, 8, 7, 7)" in label or "(4, 3, 3)" in label:
+            hint = (
+                "with micro-batches of different sizes, dividing each loss by k weighs the small "
+                "ones too much: weigh each micro-batch's mean loss by its share of the samples"
+            )
+        else:
+            hint = (
+                "the whole batch's loss is the mean over all its samples: scale each micro-batch's "
+                "loss so the gradients add up to that (and clear last step's gradients first, "
+                "then step once)"
+            )
+        fail("01.3", f"for {label}, the parameters after your step differ from one step on the "
+             f"whole batch by {err:.2g}: {hint}.")  # fmt: skip
+    passed("01.3", "equal to one full-batch step, to 1e-12, with even and uneven micro-batches")
