@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -31,8 +32,24 @@ def _notebook_dir() -> Path:
 NOTEBOOK_DIR = _notebook_dir()
 
 
+NOTEBOOK_NAME = re.compile(r"^(\d\d[a-z]?)_\w+\.ipynb$")
+"""A course notebook: two digits, maybe a letter (``03b``: a second notebook on 03's topic), ``_``."""
+
+
+def notebook_number(name: str) -> str:
+    """``"03b"`` for ``03b_ddp_in_practice``: the prefix of its exercises' numbers (``03b.1``)."""
+    m = re.match(r"^(\d\d[a-z]?)_", Path(name).name)
+    if not m:
+        raise ValueError(f"{name!r} is not a course notebook name (NN_title or NNx_title)")
+    return m.group(1)
+
+
 def find_notebooks(folder: Path | None = None, only: list[str] | None = None) -> list[Path]:
-    found = sorted((folder or NOTEBOOK_DIR).glob("[0-9][0-9]_*.ipynb"))
+    """The course's notebooks in ``folder``, in teaching order (``03_…`` before ``03b_…``)."""
+    found = sorted(
+        (p for p in (folder or NOTEBOOK_DIR).glob("*.ipynb") if NOTEBOOK_NAME.match(p.name)),
+        key=lambda p: (notebook_number(p.name)[:2], notebook_number(p.name)[2:], p.name),
+    )
     if only:
         found = [nb for nb in found if any(nb.name.startswith(o) or o in nb.stem for o in only)]
     return found

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-TITLE = re.compile(r"^#\s*Exercise\s+(\d\d\.\d+)\s*:\s*(.+?)\s*$")
+TITLE = re.compile(r"^#\s*Exercise\s+(\d\d[a-z]?\.\d+)\s*:\s*(.+?)\s*$")
 ANSWER_HERE = "*Your answer here.*"
 
 
@@ -74,7 +74,7 @@ def _title(lines: list[str], where: str, prefix: str) -> tuple[str, str]:
     for line in lines:
         m = TITLE.match(line.strip())
         if m:
-            if not m.group(1).startswith(prefix):
+            if m.group(1).split(".")[0] != prefix:
                 raise MarkupError(f"{where}: exercise {m.group(1)} in notebook {prefix}")
             return m.group(1), m.group(2)
     raise MarkupError(
@@ -83,16 +83,22 @@ def _title(lines: list[str], where: str, prefix: str) -> tuple[str, str]:
     )
 
 
+def _prefix(name: str) -> str:
+    """``03`` for ``03_ddp``, ``03b`` for ``03b_ddp_in_practice``: the exercises' number prefix."""
+    m = re.match(r"^(\d\d[a-z]?)_", name)
+    return m.group(1) if m else name[:2]
+
+
 def exercises(nb, name: str) -> list[Exercise]:
     """The exercises of notebook ``nb`` (called ``name``, e.g. ``03_ddp``), in order."""
-    prefix, found, last_title = name[:2], [], None
+    prefix, found, last_title = _prefix(name), [], None
     for i, cell in enumerate(nb.cells):
         lines = cell.source.splitlines()
         regions = _regions(lines, f"{name} cell {i}")
         if cell.cell_type == "markdown":
             for line in lines:
                 m = re.search(
-                    r"Exercise\s+(\d\d\.\d+)\s*(?:\(open\))?\s*[:.]\s*(.*?)\*{0,2}\s*$", line
+                    r"Exercise\s+(\d\d[a-z]?\.\d+)\s*(?:\(open\))?\s*[:.]\s*(.*?)\*{0,2}\s*$", line
                 )
                 if m:
                     last_title = (m.group(1), m.group(2).strip(" *") or "open question")
@@ -147,7 +153,7 @@ def copy(nb, name: str, kind: str):
     for i, cell in enumerate(out.cells):
         where = f"{name} cell {i}"
         if kind == "student":
-            _student_cell(cell, where, name[:2])
+            _student_cell(cell, where, _prefix(name))
         else:
             _answer_cell(cell, where)
         if cell.cell_type == "code":

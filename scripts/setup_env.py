@@ -309,7 +309,9 @@ def hub_install(args, py: Path) -> None:
     if share.exists():
         shutil.rmtree(share)
     share.mkdir(parents=True)
-    for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        if not re.match(r"^\d\d[a-z]?_\w+\.ipynb$", nb.name):  # as course.NOTEBOOK_NAME
+            continue
         shutil.copy2(nb, share / nb.name)
     env = {}
     if args.system_torch:

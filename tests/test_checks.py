@@ -17,7 +17,7 @@ from torch import nn
 from course_utils import checks
 from course_utils.checks import ExerciseError
 from course_utils.checks.nb01 import _cases, _reference
-from course_utils.data_parallel import BucketedDDP
+from course_utils.data_parallel import BucketedDDP, BucketedNoOverlapDDP
 from course_utils.measure import saved_activations
 from course_utils.pipeline.partition import balanced_split as reference_split
 from course_utils.pipeline.simulate import _order, simulate
@@ -336,27 +336,16 @@ def test_03_1_without_the_all_gather(runs_root):
     assert msg.startswith("rank ") and "tensor(" not in msg
 
 
-# ---- 03.2 unused parameters in the from-scratch DDP (real ranks) ------------------------------
+# ---- 03.2 bucketed DDP overlapped with backward (real ranks) -----------------------------------
 
 
-class OverlappedDDP(nn.Module):
-    """Notebook 03's overlapped DDP (naive -> bucketed -> overlapped), condensed."""
+class OverlappedDDP(BucketedNoOverlapDDP):
+    """The model answer of exercise 03.2; the class attributes make the typical mistakes."""
+
+    divide, none_where_unused, in_backward, asynchronous = True, True, True, True
 
     def __init__(self, module, bucket_cap_mb=1.0):
-        super().__init__()
-        self.module = module
-        for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.data, src=0)
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets, current, nbytes = [], [], 0
-        for p in reversed(params):
-            current.append(p)
-            nbytes += p.numel() * p.element_size()
-            if nbytes >= bucket_cap_mb * 2**20:
-                self.buckets.append(current)
-                current, nbytes = [], 0
-        if current:
-            self.buckets.append(current)
+        super().__init__(module, bucket_cap_mb)
         self.where = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self.ready = [0] * len(self.buckets)
         self.pending = []
@@ -364,92 +353,185 @@ class OverlappedDDP(nn.Module):
             for p in bucket:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def forward(self, *args):
-        return self.module(*args)
-
-    def _flat(self, bucket):
-        return torch.cat([q.grad.reshape(-1) for q in bucket])
-
-    def _grad_ready(self, p):
-        self.ready[self.where[id(p)]] += 1
-        while len(self.pending) < len(self.buckets) and self.ready[len(self.pending)] == len(
-            self.buckets[len(self.pending)]
-        ):
-            bucket = self.buckets[len(self.pending)]
-            flat = self._flat(bucket)
-            self.pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
-
-
-class RobustOverlappedDDP(OverlappedDDP):
-    """The model answer of exercise 03.2; ``divide=False`` and ``none_where_unused=False`` make
-    the two typical mistakes."""
-
-    divide, none_where_unused = True, True
-
     def _flat(self, bucket):
         grads = [
             (q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in bucket
         ]
-        flags = torch.tensor(
-            [float(q.grad is not None) for q in bucket],
-            dtype=grads[0].dtype,
-            device=grads[0].device,
-        )
+        flags = torch.tensor([float(q.grad is not None) for q in bucket], dtype=grads[0].dtype,
+                             device=grads[0].device)  # fmt: skip
         return torch.cat([*grads, flags])
 
+    def _launch_next(self):
+        bucket = self.buckets[len(self.pending)]
+        flat = self._flat(bucket)
+        work = dist.all_reduce(flat, async_op=self.asynchronous)
+        self.pending.append((work, flat, bucket))
+
+    def _grad_ready(self, p):
+        self.ready[self.where[id(p)]] += 1
+        while (
+            self.in_backward
+            and len(self.pending) < len(self.buckets)
+            and self.ready[len(self.pending)] == len(self.buckets[len(self.pending)])
+        ):
+            self._launch_next()
+
     def finish_gradient_synchronization(self):
-        for b in range(len(self.pending), len(self.buckets)):
-            bucket = self.buckets[b]
-            flat = self._flat(bucket)
-            self.pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
+        while len(self.pending) < len(self.buckets):
+            self._launch_next()
         n = dist.get_world_size() if self.divide else 1
         for work, flat, bucket in self.pending:
-            work.wait()
+            if work is not None:
+                work.wait()
             counts = flat[-len(bucket) :].tolist()
             offset = 0
             for p, count in zip(bucket, counts):
                 mean = flat[offset : offset + p.numel()].view_as(p) / n
-                if count == 0 and self.none_where_unused:
-                    p.grad = None
-                elif p.grad is None:
-                    p.grad = mean.clone()
-                else:
-                    p.grad.copy_(mean)
+                p.grad = None if count == 0 and self.none_where_unused else mean.clone()
                 offset += p.numel()
         self.pending, self.ready = [], [0] * len(self.buckets)
 
 
-class SumsWithoutDividing(RobustOverlappedDDP):
+class SumsWithoutDividing(OverlappedDDP):
     divide = False
 
 
-class ZerosWhereUnused(RobustOverlappedDDP):
+class ZerosWhereUnused(OverlappedDDP):
     none_where_unused = False
+
+
+class AllInFinish(OverlappedDDP):  # correct, but nothing overlaps: (b) with async calls
+    in_backward = False
+
+
+class Blocking(OverlappedDDP):
+    asynchronous = False
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # notebook 03 runs the model answer through this check too
-def test_03_2_unused_parameters(runs_root, capsys):
-    checks.check_ddp_unused_parameters(RobustOverlappedDDP)
+def test_03_2_overlapped_ddp(runs_root, capsys):
+    checks.check_overlapped_ddp(OverlappedDDP)
     assert "✓ exercise 03.2" in capsys.readouterr().out
 
 
 @pytest.mark.multiprocess
 def test_03_2_forgetting_to_divide_says_so(runs_root):
-    msg = fails(
-        checks.check_ddp_unused_parameters, SumsWithoutDividing, "did you divide by world_size?"
-    )
+    msg = fails(checks.check_overlapped_ddp, SumsWithoutDividing, "divide the all-reduced sum")
     assert "2 times one process's" in msg and "never completes" not in msg and "tensor(" not in msg
 
 
 def test_03_2_the_finished_bucketed_ddp_is_refused():  # imported in notebook 03; no ranks start
     for answer in (BucketedDDP, type("Renamed", (BucketedDDP,), {})):
-        fails(checks.check_ddp_unused_parameters, answer, "the package's BucketedDDP")
+        fails(checks.check_overlapped_ddp, answer, "the package's BucketedDDP")
+    pasted = type("Mine", (BucketedNoOverlapDDP,), {"_on_grad_ready": BucketedDDP._on_grad_ready})
+    fails(checks.check_overlapped_ddp, pasted, "the package's BucketedDDP")  # its method, copied
 
 
 @pytest.mark.multiprocess
 def test_03_2_zeros_where_no_rank_had_a_gradient(runs_root):
-    fails(checks.check_ddp_unused_parameters, ZerosWhereUnused, "leave .grad None", ["tensor("])
+    fails(checks.check_overlapped_ddp, ZerosWhereUnused, "leave .grad None", ["tensor("])
+
+
+@pytest.mark.multiprocess
+def test_03_2_no_overlap_or_a_blocking_call_is_caught(runs_root):
+    fails(checks.check_overlapped_ddp, AllInFinish, "started during backward")
+    fails(checks.check_overlapped_ddp, Blocking, "async_op=True")
+
+
+# ---- 03b.1 SyncBatchNorm's statistics, 03b.2 stopping together (real ranks) --------------------
+
+
+def sync_batch_stats(x):
+    dims = [0, *range(2, x.dim())]
+    count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
+    stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
+    dist.all_reduce(stats)
+    c = x.shape[1]
+    mean = stats[:c] / stats[-1]
+    return mean, stats[c : 2 * c] / stats[-1] - mean**2
+
+
+def mean_of_means(x):
+    dims = [0, *range(2, x.dim())]
+    m, v = x.mean(dims), x.var(dims, unbiased=False)
+    dist.all_reduce(m)
+    dist.all_reduce(v)
+    return m / dist.get_world_size(), v / dist.get_world_size()
+
+
+def unbiased(x):
+    mean, var = sync_batch_stats(x)
+    count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
+    dist.all_reduce(count)
+    return mean, var * count / (count - 1)
+
+
+def gathered(x):
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, x.cpu())
+    whole = torch.cat(parts)
+    dims = [0, *range(2, x.dim())]
+    return whole.mean(dims), whole.var(dims, unbiased=False)
+
+
+@pytest.mark.multiprocess
+def test_03b_1_sync_batch_stats(runs_root, capsys):
+    checks.check_sync_batch_stats(sync_batch_stats)
+    assert "✓ exercise 03b.1" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_03b_1_typical_mistakes_and_bypasses(runs_root):
+    fails(checks.check_sync_batch_stats, mean_of_means, "weighs every rank alike")
+    fails(checks.check_sync_batch_stats, unbiased, "biased variance")
+    fails(checks.check_sync_batch_stats, gathered, "sends statistics, not samples")
+
+
+def train_while_all_have_data(model, optimizer, batches):
+    device, steps = next(model.parameters()).device, 0
+    while True:
+        batch = next(batches, None)
+        have = torch.tensor([0 if batch is None else 1], device=device)
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if have.item() == 0:
+            return steps
+        x, y = batch
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        steps += 1
+
+
+def each_on_its_own(model, optimizer, batches):
+    steps = 0
+    for x, y in batches:
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        steps += 1
+    return steps
+
+
+def with_join(model, optimizer, batches):
+    from torch.distributed.algorithms.join import Join
+
+    with Join([model]):
+        return each_on_its_own(model, optimizer, batches)
+
+
+@pytest.mark.multiprocess
+def test_03b_2_train_while_all_have_data(runs_root, capsys):
+    checks.check_train_while_all_have_data(train_while_all_have_data)
+    assert "✓ exercise 03b.2" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_03b_2_a_rank_on_its_own_or_join_is_caught(runs_root):
+    fails(checks.check_train_while_all_have_data, each_on_its_own, "did not join")
+    fails(checks.check_train_while_all_have_data, with_join, "torch's Join")
 
 
 # ---- 04.1 exposed communication ---------------------------------------------------------------

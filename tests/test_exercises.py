@@ -8,10 +8,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from course_utils.course import find_notebooks
 from course_utils.exercises import BEGIN, END, MarkupError, copy, exercises, write_copies
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = find_notebooks(ROOT / "notebooks")
 
 EXERCISE = f'''# Exercise 09.1: the sum of squares
 def sum_squares(xs):

@@ -16,6 +16,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from course_utils.course import find_notebooks
+
 # Not in `make test`: on CI's shared 2 cores a contended notebook can run for many minutes.
 # `make test-contended` runs it; its own limit is above NotebookClient's, so that the client times
 # out first and shuts its kernel down.
@@ -26,7 +28,7 @@ pytestmark = [
     pytest.mark.timeout(1800),
 ]
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = find_notebooks(Path(__file__).resolve().parents[1] / "notebooks")
 BUSY = "while True: pass"
 
 

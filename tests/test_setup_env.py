@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from course_utils.course import find_notebooks
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "setup_env.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -269,7 +271,7 @@ def test_hub_env_serves_every_user_from_one_place(site, tmp_path):
     where = in_venv(venv, "import course_utils; print(course_utils.__file__)", env)
     assert where.startswith(str(venv)), where
     shipped = sorted(p.name for p in (venv / "share/distributed-course/notebooks").glob("*.ipynb"))
-    assert shipped == sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert shipped == sorted(p.name for p in find_notebooks(ROOT / "notebooks"))
     # readable and traversable by every user
     for p in [
         prefix,

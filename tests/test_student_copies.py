@@ -8,11 +8,12 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from course_utils.course import find_notebooks
 from course_utils.exercises import copy, exercises
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = find_notebooks(Path(__file__).resolve().parents[1] / "notebooks")
 
 
 def error_text(cell) -> str | None:

@@ -108,7 +108,13 @@ def same_code(student_fn, reference) -> bool:
     if student_fn is reference:
         return True
     if isinstance(student_fn, type) and isinstance(reference, type):
-        return issubclass(student_fn, reference)
+        if issubclass(student_fn, reference):
+            return True
+        theirs = [f for f in vars(reference).values() if hasattr(f, "__code__")]
+        mine = [f for f in vars(student_fn).values() if hasattr(f, "__code__")]
+        return any(  # a method of any length carried over (not a two-line __init__ by chance)
+            len(a.__code__.co_code) > 40 and same_code(a, b) for a in mine for b in theirs
+        )
     a, b = getattr(student_fn, "__code__", None), getattr(reference, "__code__", None)
     return a is not None and b is not None and _code_shape(a) == _code_shape(b)
 

@@ -1,4 +1,5 @@
-"""Checks for notebook 03 (DDP): ring all-reduce from point-to-point, and unused parameters."""
+"""Checks for notebook 03 (DDP): ring all-reduce from point-to-point, and bucketed DDP overlapped
+with backward (unused parameters included)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..data_parallel import BucketedDDP
-from ..models import RankDependentMLP, UnusedParamMLP
-from .common import ExerciseError, fail, launch_check, passed
+from ..models import RankDependentMLP, TiedMLP, ToyMLP, UnusedParamMLP
+from .common import ExerciseError, fail, launch_check, passed, refuse_copies
 
 
 def _ring_worker(ctx, ring_all_reduce, sizes, dtypes):
@@ -82,7 +83,7 @@ def check_ring_all_reduce(ring_all_reduce) -> None:
     passed("03.1", "equal to all_reduce on 2 and 3 ranks, with the ring's 2(n-1)/n N elements sent")
 
 
-def _unused_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
+def _overlap_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
     n, r = ctx.world_size, ctx.rank
     torch.manual_seed(0)
     reference = make_model().to(ctx.device, torch.float64)
@@ -90,74 +91,129 @@ def _unused_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
     inner = make_model().to(ctx.device, torch.float64)
     if rank_dependent:
         inner.rank = r
-    model = wrapper_cls(inner, bucket_cap_mb=0.002)
+    model = wrapper_cls(inner, bucket_cap_mb=0.002)  # a few KB: several buckets
     if isinstance(model, BucketedDDP):
-        raise ExerciseError(f"exercise 03.2: {FINISHED}")
+        fail("03.2", FINISHED)
+    buckets = getattr(model, "buckets", None)
+    if not buckets:
+        fail("03.2", "keep the buckets BucketedNoOverlapDDP builds (super().__init__) in "
+             "self.buckets")  # fmt: skip
+    log, phase = [], {"now": "forward"}
+    real = dist.all_reduce
+
+    def watched(tensor, *args, **kwargs):
+        log.append((phase["now"], tensor.numel(), bool(kwargs.get("async_op", False))))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = watched
     # momentum and weight decay: a zero gradient moves a parameter, no gradient does not
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
     data = torch.Generator().manual_seed(1)
-    for step in range(1, steps + 1):
-        x = torch.randn(16, 16, generator=data, dtype=torch.float64).to(ctx.device)
-        y = torch.randint(4, (16,), generator=data).to(ctx.device)
-        opt_ref.zero_grad()
-        for q in range(n):  # every rank's share of the global batch, each with its behaviour
-            if rank_dependent:
-                reference.rank = q
-            loss = nn.functional.cross_entropy(reference(x.chunk(n)[q]), y.chunk(n)[q])
-            (loss / n).backward()
-        opt_ref.step()
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x.chunk(n)[r]), y.chunk(n)[r]).backward()
-        model.finish_gradient_synchronization()
-        for (name, p), q in zip(inner.named_parameters(), reference.parameters()):
-            if p.grad is None or q.grad is None or torch.allclose(p.grad, q.grad, 1e-9, 1e-12):
-                continue  # a missing gradient is judged on the parameters below
-            if torch.allclose(p.grad, n * q.grad, 1e-9, 1e-12):
-                raise ExerciseError(
-                    f"exercise 03.2: after step {step}, rank {r}'s gradient of {name} is {n} times "
-                    f"one process's ({type(inner).__name__}): did you divide by world_size? The "
-                    f"all-reduce sums over the {n} ranks, and each rank's loss is already a mean "
-                    "over its own shard."
-                )
-        opt.step()
-        for (name, p), q in zip(inner.named_parameters(), reference.parameters()):
-            diff = (p - q).abs().max().item()
-            if diff > 1e-12:
-                if q.grad is None and p.grad is not None:
-                    hint = (
-                        "no rank used it, so one process leaves its .grad None; a zero gradient "
-                        "still moves it under momentum and weight decay. Use the per-parameter "
-                        "counts to leave .grad None where no rank had one"
-                    )
-                else:
-                    hint = (
-                        "a bucket that holds a parameter without a gradient never completes, so "
-                        "its hook never launches it (nor any bucket after it): launch every bucket "
-                        "still waiting in finish_gradient_synchronization, in bucket order, with "
-                        "zeros for the missing gradients"
-                    )
-                raise ExerciseError(
-                    f"exercise 03.2: after step {step}, rank {r}'s {name} differs from one process "
-                    f"by {diff:.1e} ({type(inner).__name__}): {hint}."
-                )
+    try:
+        for step in range(1, steps + 1):
+            x = torch.randn(16, 16, generator=data, dtype=torch.float64).to(ctx.device)
+            y = torch.randint(4, (16,), generator=data).to(ctx.device)
+            opt_ref.zero_grad()
+            for q in range(n):  # every rank's share of the global batch, each with its behaviour
+                if rank_dependent:
+                    reference.rank = q
+                loss = nn.functional.cross_entropy(reference(x.chunk(n)[q]), y.chunk(n)[q])
+                (loss / n).backward()
+            opt_ref.step()
+            opt.zero_grad()
+            log.clear()
+            loss = nn.functional.cross_entropy(model(x.chunk(n)[r]), y.chunk(n)[r])
+            phase["now"] = "backward"
+            loss.backward()
+            phase["now"] = "finish"
+            model.finish_gradient_synchronization()
+            phase["now"] = "forward"
+            _judge_overlap(log, buckets, make_model, r, step)
+            _judge_grads(inner, reference, n, r, step)
+            opt.step()
+            _judge_params(inner, reference, r, step)
+    finally:
+        dist.all_reduce = real
     return True
+
+
+def _judge_overlap(log, buckets, make_model, r, step):
+    if not log:
+        fail("03.2", f"rank {r}, step {step}: no all-reduce ran at all")
+    sync = [c for c in log if not c[2]]
+    if sync:
+        fail("03.2", f"rank {r}, step {step}: an all-reduce ran with async_op=False during "
+             f"{sync[0][0]}: start each bucket's all-reduce with async_op=True and wait for its "
+             "handle in finish_gradient_synchronization, so that backward goes on meanwhile")  # fmt: skip
+    grads = [sum(p.numel() for p in b) for b in buckets]
+    flags = [len(b) for b in buckets]
+    sizes = [numel for _, numel, _ in log if numel not in flags or numel in grads]
+    allowed = [{g, g + f} for g, f in zip(grads, flags)]
+    if len(sizes) != len(buckets) or any(s not in ok for s, ok in zip(sizes, allowed)):
+        fail("03.2", f"rank {r}, step {step}: your all-reduces carried {sizes} elements; the "
+             f"buckets, in bucket order, hold {grads} gradient elements (plus one flag per "
+             "parameter if you send them along): one all-reduce per bucket, launched in bucket "
+             "order on every rank (collectives are matched by the order of the calls)")  # fmt: skip
+    during = sum(1 for ph, _, _ in log if ph == "backward")
+    if make_model is ToyMLP and during < len(buckets):
+        fail("03.2", f"rank {r}, step {step}: {during} of {len(buckets)} buckets started during "
+             "backward with this model, whose every parameter gets a gradient: launch a bucket "
+             "from a gradient hook (register_post_accumulate_grad_hook) as soon as its last "
+             "gradient is ready, not in finish_gradient_synchronization")  # fmt: skip
+
+
+def _judge_grads(inner, reference, n, r, step):
+    for (name, p), q in zip(inner.named_parameters(), reference.parameters()):
+        if p.grad is None or q.grad is None or torch.allclose(p.grad, q.grad, 1e-9, 1e-12):
+            continue  # a missing gradient is judged on the parameters below
+        if torch.allclose(p.grad, n * q.grad, 1e-9, 1e-12):
+            fail("03.2", f"after step {step}, rank {r}'s gradient of {name} is {n} times one "
+                 f"process's: divide the all-reduced sum by the {n} ranks (each rank's loss is a "
+                 "mean over its own shard)")  # fmt: skip
+
+
+def _judge_params(inner, reference, r, step):
+    for (name, p), q in zip(inner.named_parameters(), reference.parameters()):
+        diff = (p - q).abs().max().item()
+        if diff <= 1e-12:
+            continue
+        if q.grad is None and p.grad is not None:
+            hint = (
+                "no rank used it, so one process leaves its .grad None; a zero gradient "
+                "still moves it under momentum and weight decay. Send one flag per parameter "
+                "(1 where this rank has a gradient) and leave .grad None where the sum is 0"
+            )
+        else:
+            hint = (
+                "a bucket that holds a parameter without a gradient never completes, so "
+                "its hook never launches it (nor any bucket after it): launch every bucket "
+                "still waiting in finish_gradient_synchronization, in bucket order, with "
+                "zeros for the missing gradients"
+            )
+        fail("03.2", f"after step {step}, rank {r}'s {name} differs from one process by "
+             f"{diff:.1e} ({type(inner).__name__}): {hint}.")  # fmt: skip
 
 
 FINISHED = (
     "that is the package's BucketedDDP, the finished version the check compares with; write the "
-    "unused-parameter handling yourself, on top of OverlappedDDP."
+    "hooks and the synchronisation yourself, on top of BucketedNoOverlapDDP."
 )
 
 
-def check_ddp_unused_parameters(wrapper_cls, world_size: int = 2) -> None:
-    """Exercise 03.2: a from-scratch DDP class that survives parameters unused in forward."""
-    if isinstance(wrapper_cls, type) and issubclass(wrapper_cls, BucketedDDP):
-        fail("03.2", FINISHED)  # a factory that returns one is caught in the ranks
-    for make, rank_dependent in ((UnusedParamMLP, False), (RankDependentMLP, True)):
+def check_overlapped_ddp(wrapper_cls, world_size: int = 2) -> None:
+    """Exercise 03.2: bucketed DDP whose all-reduces start during backward, one per bucket in
+    bucket order, equal to one process, parameters unused in forward included."""
+    refuse_copies("03.2", wrapper_cls, [BucketedDDP], FINISHED)
+    for make, rank_dependent in (
+        (ToyMLP, False),
+        (TiedMLP, False),
+        (UnusedParamMLP, False),
+        (RankDependentMLP, True),
+    ):
         launch_check(
             "03.2",
-            _unused_worker,
+            _overlap_worker,
             world_size,
             wrapper_cls=wrapper_cls,
             make_model=make,
@@ -166,6 +222,6 @@ def check_ddp_unused_parameters(wrapper_cls, world_size: int = 2) -> None:
         )
     passed(
         "03.2",
-        f"equal to one process on {world_size} ranks with a layer no rank uses and one that only "
-        "odd ranks use",
+        f"equal to one process on {world_size} ranks, every bucket started during backward in "
+        "bucket order; a layer no rank uses, one only odd ranks use, and a layer used twice",
     )
