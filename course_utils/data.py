@@ -71,7 +71,7 @@ class SyntheticImages(Dataset):
     Each class is a smooth random pattern (its prototype). A sample is its class's prototype,
     shifted by up to ``shift`` pixels, scaled by a random contrast, plus Gaussian noise; and a
     ``label_noise`` share of the labels is redrawn at random (from every class, the true one
-    included), so no model can exceed ``1 - label_noise + label_noise / classes`` accuracy (82%
+    included), so no model can exceed ``1 - label_noise + label_noise / classes`` accuracy (77.5%
     with the defaults, on 10 classes): the stand-in learns like a real dataset, not to 100% in one
     epoch, and its accuracy says nothing about any real dataset.
 

@@ -85,9 +85,12 @@ def test_01_1_step_counters_are_state():
 # ---- 01.2 activation bytes --------------------------------------------------------------------
 
 
-def mlp_activation_bytes(batch, widths, dtype=torch.float32):
+def mlp_activation_bytes(batch, widths, dtype=torch.float32, activation="relu"):
     size_of = torch.tensor([], dtype=dtype).element_size()
-    kept = [widths[0]] + list(widths[1:-1])
+    per_hidden = (
+        1 if activation == "relu" else 2
+    )  # GELU keeps its input; the next Linear, its output
+    kept = [widths[0]] + [w for w in widths[1:-1] for _ in range(per_hidden)]
     return sum(batch * w * size_of for w in kept)
 
 
@@ -100,23 +103,24 @@ def test_01_2_activation_bytes(capsys):
 
 
 def test_01_2_typical_mistakes():
-    def without_input(batch, widths, dtype=torch.float32):
+    def without_input(batch, widths, dtype=torch.float32, activation="relu"):
         size_of = torch.tensor([], dtype=dtype).element_size()
-        return sum(batch * w * size_of for w in widths[1:-1])
+        return mlp_activation_bytes(batch, widths, dtype, activation) - batch * widths[0] * size_of
 
-    def relu_twice(batch, widths, dtype=torch.float32):
-        size_of = torch.tensor([], dtype=dtype).element_size()
-        return mlp_activation_bytes(batch, widths, dtype) + sum(
-            batch * w * size_of for w in widths[1:-1]
-        )
+    def relu_twice(batch, widths, dtype=torch.float32, activation="relu"):
+        return mlp_activation_bytes(batch, widths, dtype, "gelu")  # one tensor counted twice
+
+    def gelu_like_relu(batch, widths, dtype=torch.float32, activation="relu"):
+        return mlp_activation_bytes(batch, widths, dtype, "relu")
 
     absent = [FIRST_CASE_BYTES]
-    fails(checks.check_mlp_activation_bytes, without_input, "keeps its input as well", absent)
-    fails(checks.check_mlp_activation_bytes, relu_twice, "counted once", absent)
+    fails(checks.check_mlp_activation_bytes, without_input, "the first Linear needs", absent)
+    fails(checks.check_mlp_activation_bytes, relu_twice, "count it once", absent)
+    fails(checks.check_mlp_activation_bytes, gelu_like_relu, "GELU's derivative", absent)
 
 
 def test_01_2_measuring_is_refused():
-    def measured(batch, widths, dtype=torch.float32):  # what saved_activations makes possible
+    def measured(batch, widths, dtype=torch.float32, activation="relu"):  # saved_activations
         layers = []
         for i in range(len(widths) - 1):
             layers += [nn.Linear(widths[i], widths[i + 1]), nn.ReLU()]
@@ -185,6 +189,9 @@ def test_01_1_the_package_count_is_refused():
         checks.check_state_bytes, state_via_package, "count_model_states is this exercise's answer"
     )
     fails(checks.check_state_bytes, package_count, "count_model_states")
+    from course_utils.checks.nb01 import _reference
+
+    fails(checks.check_state_bytes, _reference, "count_model_states")  # the check's own, too
 
 
 # ---- 02.1 the DataParallel step, 02.2 without the gather ---------------------------------------
@@ -269,13 +276,62 @@ def test_02_1_bypasses_are_refused():
         loss.backward()
         return loss.detach()
 
-    fails(checks.check_data_parallel_step, plain_data_parallel, "nn.DataParallel is what")
+    fails(checks.check_data_parallel_step, plain_data_parallel, "DataParallel and its pieces")
     fails(checks.check_data_parallel_step, one_device, "scatter the batch")
     fails(checks.check_data_parallel_step, _reference_step, "the check's own copy")
     code = _reference_step.__code__  # the same code under another name, as if pasted in a cell
     pasted = type(_reference_step)(code, _reference_step.__globals__, "my_step")
     fails(checks.check_data_parallel_step, pasted, "the check's own copy")
     assert nn.DataParallel(nn.Linear(2, 2))  # and DataParallel works again
+
+
+def test_02_bypasses_a_reviewer_found_are_caught():
+    """One device in disguise (decoy replicas, then model.forward on the whole batch), shallow
+    copies that share the model's parameters, one worker thread running the replicas in turn, and
+    a gather hidden behind another loss function."""
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    def decoys(model, x, y, k):
+        with torch.no_grad(), ThreadPoolExecutor(1) as pool:
+            list(pool.map(lambda c: copy.deepcopy(model)(c), x.chunk(k)))
+        loss = nn.functional.cross_entropy(model.forward(x), y)
+        loss.backward()
+        return loss.detach()
+
+    def shallow(model, x, y, k):
+        chunks = x.chunk(k)
+        replicas = [copy.copy(model) for _ in chunks]
+        with ThreadPoolExecutor(len(chunks)) as pool:
+            outs = list(pool.map(lambda a: a[0](a[1]), zip(replicas, chunks)))
+        loss = nn.functional.cross_entropy(torch.cat(outs), y)
+        loss.backward()
+        return loss.detach()
+
+    def one_worker(model, x, y, k):
+        chunks = x.chunk(k)
+        replicas = [copy.deepcopy(model) for _ in chunks]
+        with ThreadPoolExecutor(1) as pool:
+            outs = list(pool.map(lambda a: a[0](a[1]), zip(replicas, chunks)))
+        loss = nn.functional.cross_entropy(torch.cat(outs), y)
+        loss.backward()
+        _reduce(model, replicas)
+        return loss.detach()
+
+    def nll_gather(model, x, y, k):
+        chunks = x.chunk(k)
+        replicas = [copy.deepcopy(model) for _ in chunks]
+        with ThreadPoolExecutor(len(chunks)) as pool:
+            outs = list(pool.map(lambda a: a[0](a[1]), zip(replicas, chunks)))
+        loss = nn.functional.nll_loss(torch.cat(outs).log_softmax(1), y)
+        loss.backward()
+        _reduce(model, replicas)
+        return loss.detach()
+
+    fails(checks.check_data_parallel_step, decoys, "forward ran on batches of")
+    fails(checks.check_data_parallel_step, shallow, "shallow copy shares them")
+    fails(checks.check_data_parallel_step, one_worker, "did not run at the same time")
+    fails(checks.check_local_loss_step, nll_gather, "gather nothing")
 
 
 def test_02_2_local_loss_step(capsys):
@@ -290,9 +346,9 @@ def test_02_2_typical_mistakes():
     def unweighted(model, x, y, k):
         return local_loss_step(model, x, y, k, weight=lambda xc, x, n: 1.0)
 
-    fails(checks.check_local_loss_step, divided_by_k, "weighted by its share of the samples")
+    fails(checks.check_local_loss_step, divided_by_k, "in proportion to its samples")
     fails(checks.check_local_loss_step, unweighted, "differs from one device's")
-    fails(checks.check_local_loss_step, data_parallel_step, "computed on gathered outputs")
+    fails(checks.check_local_loss_step, data_parallel_step, "gather nothing")
 
 
 # ---- 03.1 ring all-reduce (real ranks) --------------------------------------------------------

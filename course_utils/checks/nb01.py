@@ -91,7 +91,7 @@ def check_state_bytes(state_bytes) -> None:
         "count the tensors yourself: course_utils.zero's count_model_states is this exercise's "
         "answer"
     )
-    refuse_copies("01.1", state_bytes, [count_model_states], message)
+    refuse_copies("01.1", state_bytes, [count_model_states, _reference], message)
     for label, model, opt in cases:
         with refused("01.1", state_bytes, count_model_states, message):
             got = state_bytes(model, opt)
@@ -114,50 +114,60 @@ def check_state_bytes(state_bytes) -> None:
     passed("01.1", f"parameters, gradients and optimizer state right for {len(cases)} models")
 
 
-def _mlp(widths, dtype) -> nn.Sequential:
+def _mlp(widths, dtype, activation="relu") -> nn.Sequential:
+    act = {"relu": nn.ReLU, "gelu": nn.GELU}[activation]
     layers = []
     for i in range(len(widths) - 1):
         layers.append(nn.Linear(widths[i], widths[i + 1]))
         if i < len(widths) - 2:
-            layers.append(nn.ReLU())
+            layers.append(act())
     return nn.Sequential(*layers).to(dtype)
 
 
 MEASURING = (
     "your function ran a forward pass that autograd recorded, which is measuring (the check does "
-    "that). Count from batch, widths and dtype alone: which tensors does each layer keep for "
+    "that). Count from the arguments alone: which tensors does each layer keep for "
     "backward, and how many bytes is each?"
 )
 
 
 def check_mlp_activation_bytes(mlp_activation_bytes) -> None:
-    """Exercise 01.2: bytes autograd keeps for backward in an MLP's forward pass."""
+    """Exercise 01.2: ``mlp_activation_bytes(batch, widths, dtype, activation)``: bytes autograd
+    keeps for backward in an MLP's forward pass, with ReLU or GELU between the Linear layers."""
     cases = [
-        (8, [16, 32, 4], torch.float32),
-        (1, [5, 7], torch.float32),
-        (64, [3072, 512, 512, 10], torch.float32),
-        (32, [10, 20, 30, 40, 5], torch.float64),
-        (4, [8, 16, 8], torch.bfloat16),
+        (8, [16, 32, 4], torch.float32, "relu"),
+        (1, [5, 7], torch.float32, "relu"),
+        (64, [3072, 512, 512, 10], torch.float32, "relu"),
+        (32, [10, 20, 30, 40, 5], torch.float64, "relu"),
+        (4, [8, 16, 8], torch.bfloat16, "relu"),
+        (8, [16, 32, 4], torch.float32, "gelu"),
+        (16, [12, 24, 36, 6], torch.float64, "gelu"),
     ]
     torch.manual_seed(0)
-    for batch, widths, dtype in cases:
-        model = _mlp(widths, dtype)
+    for batch, widths, dtype, activation in cases:
+        model = _mlp(widths, dtype, activation)
         with saved_activations() as mem:
             model(torch.randn(batch, widths[0], dtype=dtype))
         with RefuseTorch("01.2", MEASURING, autograd=True):  # by reasoning, not by measuring
-            got = mlp_activation_bytes(batch, widths, dtype)
+            got = mlp_activation_bytes(batch, widths, dtype, activation)
         if got == mem["bytes"]:
             continue
         e = torch.tensor([], dtype=dtype).element_size()
-        where = f"batch {batch}, widths {widths}, {str(dtype).replace('torch.', '')}"
+        hidden = sum(batch * w * e for w in widths[1:-1])
+        where = (
+            f"batch {batch}, widths {widths}, {str(dtype).replace('torch.', '')}, "
+            f"{activation.upper()}"
+        )
         if got == mem["bytes"] - batch * widths[0] * e:
-            hint = "the first Linear keeps its input as well: its weight's gradient needs it"
+            hint = "the first Linear needs something again in backward too: what?"
         elif got == mem["bytes"] + batch * widths[-1] * e:
-            hint = "the last layer's output is not kept: nothing after it needs it in backward"
-        elif got == mem["bytes"] + sum(batch * w * e for w in widths[1:-1]):
+            hint = "is the last layer's output needed by anything in backward?"
+        elif activation == "relu" and got == mem["bytes"] + hidden:
+            hint = "a tensor kept by two layers is stored once: count it once"
+        elif activation == "gelu" and got == mem["bytes"] - hidden:
             hint = (
-                "ReLU keeps its output and the next Linear keeps that same tensor as its input: "
-                "one tensor, counted once"
+                "GELU's derivative is not a function of its output, as ReLU's is: what does "
+                "GELU need in backward, and is that the tensor the next Linear keeps?"
             )
         else:
             hint = "which tensors does each layer need again in backward, and how many bytes each?"
@@ -166,7 +176,9 @@ def check_mlp_activation_bytes(mlp_activation_bytes) -> None:
             f"for {where} your count is too {'high' if got > mem['bytes'] else 'low'}: {hint}.",
         )
     passed(
-        "01.2", f"activation bytes right for {len(cases)} MLPs (measured with saved-tensor hooks)"
+        "01.2",
+        f"activation bytes right for {len(cases)} MLPs with ReLU and GELU (measured with "
+        "saved-tensor hooks)",
     )
 
 
@@ -198,6 +210,8 @@ def _accumulation_cases():
             12,
         ),
         ("an MLP, 16 samples in 1 micro-batch, Adam", ToyMLP, adam, 16, 1),
+        ("an MLP, 3 samples and k = 5 (tensor_split leaves 2 micro-batches empty), SGD", ToyMLP,
+         sgd, 3, 5),  # fmt: skip
     ]
 
 
@@ -223,9 +237,10 @@ def check_accumulated_step(accumulated_step) -> None:
         if not model.seen or max(model.seen) > biggest:
             fail("01.3", f"for {label}, the model saw a batch of {max(model.seen, default=0)}: "
                  f"run it on micro-batches of at most {biggest} samples, one after another")  # fmt: skip
-        if sum(model.seen) != batch or len(model.seen) != k:
-            fail("01.3", f"for {label}, the model saw {len(model.seen)} micro-batches of "
-                 f"{sum(model.seen)} samples in all: run each of the k micro-batches once")  # fmt: skip
+        seen = [s for s in model.seen if s > 0]
+        if sum(seen) != batch or len(seen) != min(k, batch):
+            fail("01.3", f"for {label}, the model saw {len(seen)} micro-batches of "
+                 f"{sum(seen)} samples in all: run each of the k micro-batches once")  # fmt: skip
         err = max(
             (p - q).abs().max().item()
             for p, q in zip(model.inner.parameters(), ref_model.parameters())

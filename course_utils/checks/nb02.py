@@ -30,48 +30,82 @@ CASES = [
 ]
 
 
-class _Watch:
-    """Forward calls of a model and of its deep copies: (module id, thread id, batch size)."""
+_WATCHES: dict[
+    int, dict
+] = {}  # token -> {"calls": [...], "barrier": Barrier}: shared by deep copies
 
-    def __init__(self, model: nn.Module):
-        calls: list[tuple[int, int, int]] = []
-        lock = threading.Lock()
 
-        def hook(module, args, out):  # a plain function: deepcopy shares it, replicas call it
-            with lock:
-                calls.append((id(module), threading.get_ident(), args[0].shape[0]))
+class _Watched(nn.Module):
+    """The model the student's step receives: its forward (and its deep copies') records who ran it,
+    in which thread and on what, and waits at a barrier until every chunk's replica has started,
+    so that replicas run one after the other can never all pass it."""
 
-        self.calls = calls
-        model.register_forward_hook(hook)
+    def __init__(self, inner: nn.Module, token: int):
+        super().__init__()
+        self.inner, self.token = inner, token
+
+    def forward(self, x):
+        watch = _WATCHES[self.token]
+        first = next(self.inner.parameters())
+        with watch["lock"]:
+            watch["calls"].append((id(self), threading.get_ident(), x.shape[0], first.data_ptr()))
+        try:
+            watch["barrier"].wait()
+        except threading.BrokenBarrierError:
+            watch["broken"] = True
+        return self.inner(x)
 
 
 @contextlib.contextmanager
-def _no_data_parallel(number: str):
-    """``nn.DataParallel`` refuses while the student's step runs (on the CPU it is a plain call)."""
+def _refused_parallel(number: str, student_fn):
+    """nn.DataParallel and torch.nn.parallel's pieces refuse while the student's step runs."""
+    import sys
+
+    import torch.nn.parallel as par
 
     def refuse(*args, **kwargs):
-        fail(number, "write the step yourself: nn.DataParallel is what this exercise rebuilds")
+        fail(number, "write the step yourself: torch.nn.parallel's DataParallel and its pieces "
+             "(scatter, replicate, parallel_apply, gather) are what this exercise rebuilds")  # fmt: skip
 
+    targets = {f: getattr(par, f) for f in ("replicate", "parallel_apply", "scatter", "gather",
+                                            "data_parallel") if hasattr(par, f)}  # fmt: skip
+    namespaces = [vars(m) for name, m in list(sys.modules.items())
+                  if m is not None and name.startswith("torch.nn.parallel")]  # fmt: skip
+    namespaces.append(getattr(student_fn, "__globals__", {}))
+    patched = []
+    for ns in namespaces:
+        for key, value in list(ns.items()):
+            if any(value is f for f in targets.values()):
+                patched.append((ns, key, value))
+                ns[key] = refuse
     saved = nn.DataParallel.__init__
     nn.DataParallel.__init__ = refuse
     try:
         yield
     finally:
         nn.DataParallel.__init__ = saved
+        for ns, key, value in patched:
+            ns[key] = value
 
 
-class _NoGatheredLoss(TorchFunctionMode):
-    """Fail when a loss is computed on more samples than one replica's chunk (a gather)."""
+class _Gathers(TorchFunctionMode):
+    """In the calling thread: losses and concatenations, with how many rows they cover."""
 
-    def __init__(self, number: str, biggest: int):
+    def __init__(self):
         super().__init__()
-        self.number, self.biggest = number, biggest
+        self.events: list[tuple[str, int, bool]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is nn.functional.cross_entropy and args and args[0].shape[0] > self.biggest:
-            fail(self.number, "the loss was computed on gathered outputs: compute each replica's "
-                 "loss on its own chunk, where its outputs are")  # fmt: skip
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func is nn.functional.cross_entropy and args:
+            self.events.append(("loss", args[0].shape[0], True))
+        elif (
+            func in (torch.cat, torch.concat, torch.stack)
+            and isinstance(out, torch.Tensor)
+            and out.dim() > 0
+        ):
+            self.events.append(("cat", out.shape[0], out.requires_grad))
+        return out
 
 
 def _one_device(make, x, y):
@@ -79,47 +113,70 @@ def _one_device(make, x, y):
     model = make().double()
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    return (
+        loss.item(),
+        [p.grad for p in model.parameters()],
+        [n for n, _ in model.named_parameters()],
+    )
 
 
-def _run(number: str, step, make, batch: int, k: int, no_gather: bool):
+def _run(number: str, step, make, batch: int, k: int):
     torch.manual_seed(0)
-    model = make().double()
     g = torch.Generator().manual_seed(batch * 7 + k)
     x = torch.randn(batch, 16, generator=g, dtype=torch.float64)
     y = torch.randint(4, (batch,), generator=g)
-    watch = _Watch(model)
     chunks = len(x.chunk(k))
-    biggest = x.chunk(k)[0].shape[0]
-    mode = _NoGatheredLoss(number, biggest) if no_gather else contextlib.nullcontext()
-    with _no_data_parallel(number), mode:
-        loss = step(model, x, y, k)
-    return model, x, y, watch, chunks, biggest, loss
+    token = len(_WATCHES) + 1
+    _WATCHES[token] = {"calls": [], "lock": threading.Lock(), "broken": False,
+                       "barrier": threading.Barrier(chunks, timeout=10)}  # fmt: skip
+    model = _Watched(make().double(), token)
+    gathers = _Gathers()
+    try:
+        with _refused_parallel(number, step), gathers:
+            loss = step(model, x, y, k)
+    finally:
+        watch = _WATCHES.pop(token)
+    return model, x, y, watch, chunks, loss, gathers.events
 
 
 def _check(number: str, step, no_gather: bool) -> None:
     for label, make, batch, k in CASES:
-        model, x, y, watch, chunks, biggest, loss = _run(number, step, make, batch, k, no_gather)
-        modules = {m for m, _, _ in watch.calls}
-        threads = {t for _, t, _ in watch.calls}
-        sizes = sorted(s for _, _, s in watch.calls)
+        model, x, y, watch, chunks, loss, events = _run(number, step, make, batch, k)
+        biggest = x.chunk(k)[0].shape[0]
+        calls = watch["calls"]
         where = f"for {label}"
-        if not watch.calls:
+        if not calls:
             fail(number, f"{where}, no replica ran forward: copy the model, run each copy")
+        sizes = sorted(c[2] for c in calls)
         if max(sizes) > biggest or sum(sizes) != batch:
             fail(number, f"{where}, forward ran on batches of {sizes}: scatter the batch with "
                  f"x.chunk(k) ({chunks} chunks here) and run each replica on its own chunk")  # fmt: skip
+        modules = {c[0] for c in calls}
         if len(modules) != chunks:
             fail(number, f"{where}, {len(modules)} module(s) ran forward for {chunks} chunks: "
                  "one replica (a copy of the model) per chunk")  # fmt: skip
-        if chunks > 1 and threads <= {threading.get_ident()}:
-            fail(number, f"{where}, every replica ran one after the other in this thread: "
-                 "parallel_apply runs each in a thread of its own (a ThreadPoolExecutor)")  # fmt: skip
-        want_loss, want = _one_device(make, x, y)
+        original = next(model.inner.parameters()).data_ptr()
+        if sum(1 for c in calls if c[3] == original) > 1:
+            fail(number, f"{where}, several replicas computed with the model's own parameters "
+                 "(a shallow copy shares them): each replica needs a copy of the parameters, as "
+                 "copy.deepcopy makes")  # fmt: skip
+        if watch["broken"]:
+            fail(number, f"{where}, the replicas did not run at the same time (one waited 10 s "
+                 "for the others): parallel_apply starts every replica's forward in a thread "
+                 "of its own before waiting for any")  # fmt: skip
+        if no_gather:
+            big = [e for e in events if e[1] > biggest and e[2]]
+            if big:
+                fail(number, f"{where}, a {'loss' if big[0][0] == 'loss' else 'concatenation'} "
+                     f"covered {big[0][1]} rows of outputs: compute each replica's loss on its own "
+                     "chunk, where its outputs are, and gather nothing")  # fmt: skip
+        elif not any(e[1] == batch for e in events):
+            fail(number, f"{where}, the outputs were never gathered: DataParallel concatenates "
+                 "them on device 0 and computes the loss of the whole batch there")  # fmt: skip
+        want_loss, want, names = _one_device(make, x, y)
         if not (torch.is_tensor(loss) and loss.numel() == 1):
             fail(number, f"{where}, return the loss of the whole batch (a scalar tensor)")
-        for name, p in model.named_parameters():
-            w = want[name]
+        for name, p, w in zip(names, model.inner.parameters(), want):
             if w is None and p.grad is not None:
                 why = (
                     "frozen parameters (requires_grad=False) get no gradient"
@@ -140,8 +197,8 @@ def _check(number: str, step, no_gather: bool) -> None:
                     )
                 elif no_gather and "3, 3, 3, 1" in label:
                     hint = (
-                        "with chunks of different sizes each replica's mean loss must be "
-                        "weighted by its share of the samples"
+                        "with chunks of different sizes each replica's loss must count in "
+                        "proportion to its samples"
                     )
                 else:
                     hint = "every replica's gradient must be added, each once"
@@ -151,7 +208,7 @@ def _check(number: str, step, no_gather: bool) -> None:
 
 
 def _reference_step(model, x, y, k):
-    """The check's own DataParallel step (refused as an answer)."""
+    """The check's own DataParallel step (refused as an answer, copied or not)."""
     chunks = list(zip(x.chunk(k), y.chunk(k)))
     replicas = [copy.deepcopy(model) for _ in chunks]
     with ThreadPoolExecutor(len(chunks)) as pool:
@@ -171,12 +228,14 @@ def check_data_parallel_step(data_parallel_step) -> None:
                   "write the step yourself, not the check's own copy")  # fmt: skip
     _check("02.1", data_parallel_step, no_gather=False)
     passed("02.1", f"gradients and loss equal one device's for {len(CASES)} models and batches, "
-           "the replicas running in threads")  # fmt: skip
+           "replicas copied and run side by side in threads, outputs gathered")  # fmt: skip
 
 
 def check_local_loss_step(local_loss_step) -> None:
     """Exercise 02.2: ``local_loss_step(model, x, y, k)``: each replica computes the loss of its own
     chunk (no gather); the gradients on the model still equal one device's on the whole batch."""
+    refuse_copies("02.2", local_loss_step, [_reference_step],
+                  "write the step yourself, not the check's own copy")  # fmt: skip
     _check("02.2", local_loss_step, no_gather=True)
     passed("02.2", f"gradients equal one device's for {len(CASES)} models and batches, with no "
            "output gathered, chunks of unequal size included")  # fmt: skip
