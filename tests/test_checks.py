@@ -6,7 +6,10 @@ the checks' hints are written for. The 03.x checks start real gloo ranks.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import textwrap
 
 import numpy as np
 import pytest
@@ -392,6 +395,44 @@ def test_03_1_without_the_all_gather(runs_root):
     assert msg.startswith("rank ") and "tensor(" not in msg
 
 
+def all_reduce_then_pretend(t):  # the library does the sum; the exchanges only fake the count
+    n, r = dist.get_world_size(), dist.get_rank()
+    dist.all_reduce(t)
+    incoming = torch.empty_like(t.chunk(n)[0])
+    for _ in range(2 * (n - 1)):
+        exchange(t.chunk(n)[0].clone(), (r + 1) % n, incoming, (r - 1) % n)
+
+
+def halves_from_the_library(t):  # reduce-scatter and all-gather as collectives, imported by name
+    from torch.distributed import all_gather_into_tensor, reduce_scatter_tensor
+
+    n = dist.get_world_size()
+    mine = torch.empty_like(t.chunk(n)[0])
+    reduce_scatter_tensor(mine, t)
+    all_gather_into_tensor(t, mine)
+
+
+def straight_to_the_owner(t):  # right sums, right element count, but not a ring on 3 ranks
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = list(t.chunk(n))
+    incoming = torch.empty_like(chunks[0])
+    for k in range(1, n):  # reduce: send chunk j straight to rank j
+        dst, src = (r + k) % n, (r - k) % n
+        exchange(chunks[dst].clone(), dst, incoming, src)
+        chunks[r] += incoming
+    for k in range(1, n):  # gather: send my summed chunk straight to everyone
+        dst, src = (r + k) % n, (r - k) % n
+        exchange(chunks[r], dst, incoming, src)
+        chunks[src].copy_(incoming)
+
+
+@pytest.mark.multiprocess
+def test_03_1_collectives_and_shortcuts_are_refused(runs_root):
+    fails(checks.check_ring_all_reduce, all_reduce_then_pretend, "c10d.allreduce_ was called")
+    fails(checks.check_ring_all_reduce, halves_from_the_library, "torch.distributed's collectives")
+    fails(checks.check_ring_all_reduce, straight_to_the_owner, "right neighbour")
+
+
 # ---- 03.2 bucketed DDP overlapped with backward (real ranks) -----------------------------------
 
 
@@ -482,6 +523,81 @@ def test_03_2_the_finished_bucketed_ddp_is_refused():  # imported in notebook 03
         fails(checks.check_overlapped_ddp, answer, "the package's BucketedDDP")
     pasted = type("Mine", (BucketedNoOverlapDDP,), {"_on_grad_ready": BucketedDDP._on_grad_ready})
     fails(checks.check_overlapped_ddp, pasted, "the package's BucketedDDP")  # its method, copied
+    # the same method pasted with its attributes renamed (_next -> nxt, _launch -> go)
+    source = textwrap.dedent(inspect.getsource(BucketedDDP._on_grad_ready))
+    source = source.replace("self._next", "self.nxt").replace("self._launch", "self.go")
+    namespace = {"nn": torch.nn}
+    exec(compile(source, "<a notebook cell>", "exec"), namespace)
+    renamed = type("Mine", (BucketedNoOverlapDDP,), {"_on_grad_ready": namespace["_on_grad_ready"]})
+    fails(checks.check_overlapped_ddp, renamed, "the package's BucketedDDP")
+
+
+class Delegating(BucketedNoOverlapDDP):  # keeps the buckets, lets the package's class do the work
+    def __init__(self, module, bucket_cap_mb=1.0):
+        super().__init__(module, bucket_cap_mb)
+        self.ref = BucketedDDP(module, bucket_cap_mb)
+
+    def finish_gradient_synchronization(self):
+        self.ref.finish_gradient_synchronization()
+
+
+class TorchInside(BucketedNoOverlapDDP):  # torch's DDP with a comm hook that all-reduces in Python
+    def __init__(self, module, bucket_cap_mb=1.0):
+        super().__init__(module, bucket_cap_mb)
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+
+    def forward(self, *args):
+        return self.ddp(*args)
+
+    def finish_gradient_synchronization(self):
+        pass
+
+
+class LazyDelegating(BucketedNoOverlapDDP):  # builds the package's class only once training runs
+    def forward(self, *args):
+        if not hasattr(self, "ref"):
+            self.ref = BucketedDDP(self.module, 0.002)
+        return self.module(*args)
+
+    def finish_gradient_synchronization(self):
+        self.ref.finish_gradient_synchronization()
+
+
+class LazyTorchInside(BucketedNoOverlapDDP):  # torch's DDP built at the first forward
+    def forward(self, *args):
+        if not hasattr(self, "ddp"):
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.ddp = DistributedDataParallel(self.module)
+        return self.ddp(*args)
+
+    def finish_gradient_synchronization(self):
+        pass
+
+
+class ImportedAllReduce(OverlappedDDP):  # right, with all_reduce imported by name
+    def _launch_next(self):
+        from torch.distributed import all_reduce
+
+        bucket = self.buckets[len(self.pending)]
+        flat = self._flat(bucket)
+        self.pending.append((all_reduce(flat, async_op=True), flat, bucket))
+
+
+@pytest.mark.multiprocess
+def test_03_2_the_package_or_torch_inside_is_refused(runs_root):
+    fails(checks.check_overlapped_ddp, Delegating, "the package's BucketedDDP")
+    fails(checks.check_overlapped_ddp, TorchInside, "torch's DistributedDataParallel")
+    fails(checks.check_overlapped_ddp, LazyDelegating, "the package's BucketedDDP")
+    fails(checks.check_overlapped_ddp, LazyTorchInside, "torch's DistributedDataParallel")
+
+
+@pytest.mark.multiprocess
+def test_03_2_all_reduce_imported_by_name_is_watched_too(runs_root, capsys):
+    checks.check_overlapped_ddp(ImportedAllReduce)
+    assert "✓ exercise 03.2" in capsys.readouterr().out
 
 
 @pytest.mark.multiprocess
@@ -498,7 +614,33 @@ def test_03_2_no_overlap_or_a_blocking_call_is_caught(runs_root):
 # ---- 03b.1 SyncBatchNorm's statistics, 03b.2 stopping together (real ranks) --------------------
 
 
-def sync_batch_stats(x):
+def sync_batch_stats(x):  # the model answer: per-rank count, mean and M2, all-gathered
+    dims = [0, *range(2, x.dim())]
+    c, count = x.shape[1], x.numel() // x.shape[1]
+    mean = x.mean(dims)
+    m2 = ((x - mean.view(1, c, *[1] * (x.dim() - 2))) ** 2).sum(dims)
+    mine = torch.cat([torch.tensor([float(count)], dtype=x.dtype, device=x.device), mean, m2])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    s = torch.stack(every)
+    counts, means, m2s = s[:, :1], s[:, 1 : 1 + c], s[:, 1 + c :]
+    total = counts.sum()
+    g = (counts * means).sum(0) / total
+    return g, (m2s + counts * (means - g) ** 2).sum(0) / total
+
+
+def two_passes(x):  # also right: the global mean first, then the squares around it
+    dims = [0, *range(2, x.dim())]
+    c = x.shape[1]
+    sums = torch.cat([x.sum(dims), torch.tensor([x.numel() / c], dtype=x.dtype, device=x.device)])
+    dist.all_reduce(sums)
+    mean = sums[:c] / sums[c]
+    sq = ((x - mean.view(1, c, *[1] * (x.dim() - 2))) ** 2).sum(dims)
+    dist.all_reduce(sq)
+    return mean, sq / sums[c]
+
+
+def sums_of_squares(x):  # E[x²] − E[x]²: right in float64, cancels in float32 around 1e4
     dims = [0, *range(2, x.dim())]
     count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
     stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
@@ -517,7 +659,7 @@ def mean_of_means(x):
 
 
 def unbiased(x):
-    mean, var = sync_batch_stats(x)
+    mean, var = two_passes(x)
     count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
     dist.all_reduce(count)
     return mean, var * count / (count - 1)
@@ -531,20 +673,69 @@ def gathered(x):
     return whole.mean(dims), whole.var(dims, unbiased=False)
 
 
+def broadcast_everything(x):  # the samples through another collective, one rank at a time
+    dims = [0, *range(2, x.dim())]
+    parts = []
+    for q in range(dist.get_world_size()):
+        size = torch.tensor([x.shape[0]], device=x.device)
+        dist.broadcast(size, q)
+        part = x.clone() if q == dist.get_rank() else x.new_empty(int(size), *x.shape[1:])
+        dist.broadcast(part, q)
+        parts.append(part)
+    whole = torch.cat(parts)
+    return whole.mean(dims), whole.var(dims, unbiased=False)
+
+
+def torch_kernels(x):  # SyncBatchNorm's own kernels, through torch.ops
+    c = x.shape[1]
+    mean, invstd = torch.ops.aten.batch_norm_stats(x, 1e-5)
+    return mean, invstd.new_zeros(c)
+
+
 @pytest.mark.multiprocess
 def test_03b_1_sync_batch_stats(runs_root, capsys):
     checks.check_sync_batch_stats(sync_batch_stats)
-    assert "✓ exercise 03b.1" in capsys.readouterr().out
+    checks.check_sync_batch_stats(two_passes)
+    assert capsys.readouterr().out.count("✓ exercise 03b.1") == 2
 
 
 @pytest.mark.multiprocess
 def test_03b_1_typical_mistakes_and_bypasses(runs_root):
+    fails(checks.check_sync_batch_stats, sums_of_squares, "nearly equal sums")
     fails(checks.check_sync_batch_stats, mean_of_means, "weighs every rank alike")
     fails(checks.check_sync_batch_stats, unbiased, "biased variance")
-    fails(checks.check_sync_batch_stats, gathered, "sends statistics, not samples")
+    fails(checks.check_sync_batch_stats, gathered, "sends statistics")
+    fails(checks.check_sync_batch_stats, broadcast_everything, "all_reduce or all_gather only")
+    fails(checks.check_sync_batch_stats, torch_kernels, "SyncBatchNorm's own kernels")
 
 
-def train_while_all_have_data(model, optimizer, batches):
+def train_with_uneven_data(model, optimizer, batches):  # the model answer: Join's core
+    params = list(model.parameters())
+    steps = 0
+    while True:
+        batch = next(batches, None)
+        optimizer.zero_grad()
+        if batch is not None:
+            x, y = batch
+            nn.functional.cross_entropy(model(x), y).backward()
+        grads = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params
+        ]
+        have = torch.tensor([0.0 if batch is None else 1.0], dtype=grads[0].dtype)
+        flat = torch.cat([*grads, have.to(grads[0].device)])
+        dist.all_reduce(flat)
+        active = flat[-1].item()
+        if active == 0:
+            return steps
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p) / active
+            offset += p.numel()
+        optimizer.step()
+        steps += 1
+
+
+def stop_at_the_first(model, optimizer, batches):  # the other fix: all stop with the shortest
     device, steps = next(model.parameters()).device, 0
     while True:
         batch = next(batches, None)
@@ -553,41 +744,100 @@ def train_while_all_have_data(model, optimizer, batches):
         if have.item() == 0:
             return steps
         x, y = batch
-        loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad()
-        loss.backward()
+        nn.functional.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
         optimizer.step()
         steps += 1
+
+
+def divide_by_all(model, optimizer, batches):  # Join's default: divide by the initial world size
+    params = list(model.parameters())
+    steps = 0
+    while True:
+        batch = next(batches, None)
+        optimizer.zero_grad()
+        if batch is not None:
+            nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        grads = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params
+        ]
+        have = torch.tensor([float(batch is not None)], dtype=grads[0].dtype)
+        flat = torch.cat([*grads, have.to(grads[0].device)])
+        dist.all_reduce(flat)
+        if flat[-1].item() == 0:
+            return steps
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p) / dist.get_world_size()
+            offset += p.numel()
+        optimizer.step()
+        steps += 1
+
+
+def counted_first(model, optimizer, batches):  # reads every batch up front to count them
+    everything = list(batches)
+    return train_with_uneven_data(model, optimizer, iter(everything))
 
 
 def each_on_its_own(model, optimizer, batches):
     steps = 0
     for x, y in batches:
-        loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad()
-        loss.backward()
+        nn.functional.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
         optimizer.step()
         steps += 1
     return steps
 
 
+def announces_the_end_alone(model, optimizer, batches):  # a finished rank sends a flag, alone
+    steps = 0
+    for x, y in batches:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        optimizer.step()
+        steps += 1
+    done = torch.ones(1, device=next(model.parameters()).device)
+    dist.all_reduce(done)  # the others are still all-reducing gradients
+    dist.barrier()
+    return steps + 100  # never reached in a correct run
+
+
 def with_join(model, optimizer, batches):
     from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    with Join([model]):
-        return each_on_its_own(model, optimizer, batches)
+    ddp = DDP(model)
+    with Join([ddp]):
+        for x, y in batches:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+    return 0
 
 
 @pytest.mark.multiprocess
-def test_03b_2_train_while_all_have_data(runs_root, capsys):
-    checks.check_train_while_all_have_data(train_while_all_have_data)
+def test_03b_2_train_with_uneven_data(runs_root, capsys):
+    checks.check_train_with_uneven_data(train_with_uneven_data)
     assert "✓ exercise 03b.2" in capsys.readouterr().out
 
 
 @pytest.mark.multiprocess
-def test_03b_2_a_rank_on_its_own_or_join_is_caught(runs_root):
-    fails(checks.check_train_while_all_have_data, each_on_its_own, "did not join")
-    fails(checks.check_train_while_all_have_data, with_join, "torch's Join")
+def test_03b_2_typical_mistakes_and_bypasses(runs_root):
+    fails(checks.check_train_with_uneven_data, stop_at_the_first, "until the last rank runs out")
+    fails(checks.check_train_with_uneven_data, divide_by_all, "ranks that still had a batch")
+    fails(checks.check_train_with_uneven_data, counted_first, "take one batch per step")
+    fails(checks.check_train_with_uneven_data, with_join, "torch's DDP")
+    fails(checks.check_train_with_uneven_data, each_on_its_own, "until the last rank runs out")
+    check = functools.partial(checks.check_train_with_uneven_data, timeout=10)
+    fails(check, announces_the_end_alone, "did not join")
 
 
 # ---- 04.1 exposed communication ---------------------------------------------------------------
@@ -648,6 +898,35 @@ def test_04_1_typical_mistakes():
 
     fails(checks.check_exposed_communication, all_communication, "all of the communication")
     fails(checks.check_exposed_communication, waiting_counts_as_compute, "too little")
+
+
+def test_04_1_the_course_breakdown_is_refused():
+    from course_utils.profiling import analysis
+
+    def asks_analyse_trace(trace, k):
+        return analysis.analyse_trace(trace)[k].communication
+
+    def asks_analyse(trace, k):
+        a = analysis.analyse({0: trace})
+        return a.steps[k].communication
+
+    def asks_by_imported_name(trace, k):
+        from course_utils.profiling.analysis import analyse_trace
+
+        return analyse_trace(trace)[k].communication
+
+    source = inspect.getsource(analysis.analyse_trace).replace("def analyse_trace", "def mine")
+    namespace = dict(vars(analysis))
+    exec(compile(source, "<a notebook cell>", "exec"), namespace)  # pasted from the package
+    pasted = namespace["mine"]
+    assert pasted.__code__ is not analysis.analyse_trace.__code__
+
+    def via_pasted(trace, k):  # the package's code pasted into a helper of the student's
+        return pasted(trace)[k].communication
+
+    for answer in (asks_analyse_trace, asks_analyse, asks_by_imported_name, via_pasted):
+        fails(checks.check_exposed_communication, answer, "analyse / analyse_trace")
+    fails(checks.check_exposed_communication, pasted, "analyse / analyse_trace")
 
 
 # ---- 04.2 bus bandwidth -----------------------------------------------------------------------

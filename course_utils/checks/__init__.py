@@ -11,7 +11,7 @@ Exercises, by notebook (``python -m course_utils copies --kind student`` removes
 - 01: :func:`check_state_bytes`, :func:`check_mlp_activation_bytes`, :func:`check_accumulated_step`
 - 02: :func:`check_data_parallel_step`, :func:`check_local_loss_step`
 - 03: :func:`check_ring_all_reduce`, :func:`check_overlapped_ddp`
-- 03b: :func:`check_sync_batch_stats`, :func:`check_train_while_all_have_data`
+- 03b: :func:`check_sync_batch_stats`, :func:`check_train_with_uneven_data`
 - 04: :func:`check_exposed_communication`, :func:`check_bus_bandwidth`
 - 05: :func:`check_one_f_one_b`, :func:`check_balanced_split`
 - 06: :func:`check_row_parallel_linear`, :func:`check_qkv_shard`
@@ -23,7 +23,7 @@ from .common import ExerciseError
 from .nb01 import check_accumulated_step, check_mlp_activation_bytes, check_state_bytes
 from .nb02 import check_data_parallel_step, check_local_loss_step
 from .nb03 import check_overlapped_ddp, check_ring_all_reduce
-from .nb03b import check_sync_batch_stats, check_train_while_all_have_data
+from .nb03b import check_sync_batch_stats, check_train_with_uneven_data
 from .nb04 import check_bus_bandwidth, check_exposed_communication
 from .nb05 import check_balanced_split, check_one_f_one_b
 from .nb06 import check_qkv_shard, check_row_parallel_linear
@@ -49,6 +49,6 @@ __all__ = [
     "check_shard_bounds",
     "check_sync_batch_stats",
     "check_state_bytes",
-    "check_train_while_all_have_data",
+    "check_train_with_uneven_data",
     "check_zero1_step",
 ]

@@ -210,8 +210,13 @@ def _accumulation_cases():
             12,
         ),
         ("an MLP, 16 samples in 1 micro-batch, Adam", ToyMLP, adam, 16, 1),
-        ("an MLP, 3 samples and k = 5 (tensor_split leaves 2 micro-batches empty), SGD", ToyMLP,
-         sgd, 3, 5),  # fmt: skip
+        (
+            "an MLP, 3 samples and k = 5 (tensor_split leaves 2 micro-batches empty), SGD",
+            ToyMLP,
+            sgd,
+            3,
+            5,
+        ),  # fmt: skip
     ]
 
 

@@ -3,26 +3,41 @@ with backward (unused parameters included)."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..data_parallel import BucketedDDP
 from ..models import RankDependentMLP, TiedMLP, ToyMLP, UnusedParamMLP
-from .common import ExerciseError, fail, launch_check, passed, refuse_copies
+from .common import (
+    ExerciseError,
+    OnlyCommunication,
+    fail,
+    launch_check,
+    passed,
+    patched_methods,
+    refuse_calls,
+    refuse_copies,
+)
 
 
 def _ring_worker(ctx, ring_all_reduce, sizes, dtypes):
     n, r = ctx.world_size, ctx.rank
-    sent = {"elements": 0}
-    send = dist.ProcessGroup.send
+    sent = {"elements": 0, "elsewhere": None}
 
-    def counting_send(group, tensors, dst, tag=0):  # every point-to-point send goes through here
-        sent["elements"] += sum(t.numel() for t in tensors)
-        return send(group, tensors, dst, tag)
+    def counting(send):
+        def counting_send(group, tensors, dst, tag=0):  # every point-to-point send ends here
+            sent["elements"] += sum(t.numel() for t in tensors)
+            if dst != (r + 1) % n and sent["elsewhere"] is None:
+                sent["elsewhere"] = dst
+            return send(group, tensors, dst, tag)
 
-    dist.ProcessGroup.send = counting_send
-    try:
+        return counting_send
+
+    with patched_methods(dist.ProcessGroup, {"send": counting}):
         for numel in sizes:
             for dtype in dtypes:
                 g = torch.Generator().manual_seed(1000 * r + numel)
@@ -30,8 +45,12 @@ def _ring_worker(ctx, ring_all_reduce, sizes, dtypes):
                 before = t.clone()
                 ref = t.clone()
                 dist.all_reduce(ref)
-                sent["elements"] = 0
-                ring_all_reduce(t)
+                sent["elements"], sent["elsewhere"] = 0, None
+                with OnlyCommunication("03.1", ("send", "recv_"), NOT_A_RING):
+                    ring_all_reduce(t)
+                if sent["elsewhere"] is not None:
+                    fail("03.1", f"rank {r} sent to rank {sent['elsewhere']}: in a ring every "
+                         f"rank sends only to its right neighbour, rank {(r + 1) % n}")  # fmt: skip
                 where = f"{n} ranks, {numel} elements, {str(dtype).replace('torch.', '')}"
                 tol = 1e-12 if dtype == torch.float64 else 1e-4
                 if not torch.allclose(t, ref, rtol=tol, atol=tol):
@@ -62,9 +81,13 @@ def _ring_worker(ctx, ring_all_reduce, sizes, dtypes):
                         f"exercise 03.1: with {where}, rank {r} sent {sent['elements']} elements; "
                         f"a ring sends 2(n-1) chunks of N/n elements. Use exchange() for every step."
                     )
-    finally:
-        dist.ProcessGroup.send = send
     return True
+
+
+NOT_A_RING = (
+    "your ring called one of torch.distributed's collectives, which does the whole job (or half "
+    "of it) for you; build every step from exchange(), the point-to-point messages"
+)
 
 
 def check_ring_all_reduce(ring_all_reduce) -> None:
@@ -83,6 +106,29 @@ def check_ring_all_reduce(ring_all_reduce) -> None:
     passed("03.1", "equal to all_reduce on 2 and 3 ranks, with the ring's 2(n-1)/n N elements sent")
 
 
+TORCH_DDP = (
+    "that is torch's DistributedDataParallel (its Reducer does the bucketing and the overlap in "
+    "C++); write the hooks and the all-reduces yourself, on top of BucketedNoOverlapDDP"
+)
+
+
+@contextlib.contextmanager
+def _no_torch_ddp():
+    """torch's DDP (and with it a comm hook on it) refuses to be built while the student's code runs."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    init = DistributedDataParallel.__init__
+
+    def refuse(self, *args, **kwargs):
+        fail("03.2", TORCH_DDP)
+
+    DistributedDataParallel.__init__ = refuse
+    try:
+        yield
+    finally:
+        DistributedDataParallel.__init__ = init
+
+
 def _overlap_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
     n, r = ctx.world_size, ctx.rank
     torch.manual_seed(0)
@@ -91,7 +137,8 @@ def _overlap_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
     inner = make_model().to(ctx.device, torch.float64)
     if rank_dependent:
         inner.rank = r
-    model = wrapper_cls(inner, bucket_cap_mb=0.002)  # a few KB: several buckets
+    with refuse_calls("03.2", [BucketedDDP], FINISHED), _no_torch_ddp():
+        model = wrapper_cls(inner, bucket_cap_mb=0.002)  # a few KB: several buckets
     if isinstance(model, BucketedDDP):
         fail("03.2", FINISHED)
     buckets = getattr(model, "buckets", None)
@@ -99,17 +146,27 @@ def _overlap_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
         fail("03.2", "keep the buckets BucketedNoOverlapDDP builds (super().__init__) in "
              "self.buckets")  # fmt: skip
     log, phase = [], {"now": "forward"}
-    real = dist.all_reduce
 
-    def watched(tensor, *args, **kwargs):
-        log.append((phase["now"], tensor.numel(), bool(kwargs.get("async_op", False))))
-        return real(tensor, *args, **kwargs)
+    def watching(real):
+        def watched(group, tensors, *args, **kwargs):
+            # every all-reduce ends here, however it was called; dist.all_reduce waits at once
+            # unless its caller passed async_op=True (group.allreduce itself returns a handle)
+            caller = sys._getframe(1).f_locals
+            asynchronous = bool(caller.get("async_op", True))
+            many = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+            log.append((phase["now"], sum(t.numel() for t in many), asynchronous))
+            return real(group, tensors, *args, **kwargs)
 
-    dist.all_reduce = watched
+        return watched
+
     # momentum and weight decay: a zero gradient moves a parameter, no gradient does not
     opt = torch.optim.SGD(inner.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
     data = torch.Generator().manual_seed(1)
+    refusals = contextlib.ExitStack()
+    refusals.enter_context(refuse_calls("03.2", [BucketedDDP], FINISHED))
+    refusals.enter_context(_no_torch_ddp())
+    refusals.enter_context(patched_methods(dist.ProcessGroup, {"allreduce": watching}))
     try:
         for step in range(1, steps + 1):
             x = torch.randn(16, 16, generator=data, dtype=torch.float64).to(ctx.device)
@@ -134,7 +191,7 @@ def _overlap_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
             opt.step()
             _judge_params(inner, reference, r, step)
     finally:
-        dist.all_reduce = real
+        refusals.close()
     return True
 
 

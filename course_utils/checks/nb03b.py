@@ -1,170 +1,296 @@
-"""Checks for notebook 03b (DDP in practice): SyncBatchNorm's statistics, and ranks that stop
-together when their data runs out unevenly."""
+"""Checks for notebook 03b (DDP in practice): SyncBatchNorm's statistics combined across ranks,
+and Join's core: ranks with uneven data that keep training together until the last is done."""
 
 from __future__ import annotations
 
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..models import ToyMLP
-from .common import ExerciseError, RefuseTorch, fail, launch_check, passed
+from .common import ExerciseError, OnlyCommunication, RefuseTorch, fail, launch_check, passed
 
 GATHERING = (
-    "your function gathered the ranks' data (all_gather): SyncBatchNorm sends statistics, not "
-    "samples: a few numbers per channel and rank, whatever the batch"
+    "your function sent the ranks' samples (or something as large): SyncBatchNorm sends "
+    "statistics, a few numbers per channel and rank, whatever the batch"
 )
-BUILT_IN = "write the statistics yourself: torch's batch_norm_* functions are SyncBatchNorm's"
+OTHER_COLLECTIVE = (
+    "send statistics with all_reduce or all_gather only (SyncBatchNorm all-gathers them); "
+    "other collectives and point-to-point messages are not needed"
+)
+BUILT_IN = (
+    "write the combination yourself: torch's batch_norm_stats / batch_norm_gather_stats* are "
+    "SyncBatchNorm's own kernels"
+)
+# what SyncBatchNorm's statistics may travel with, across torch versions and call styles
+STATS_OPS = (
+    "allreduce_",
+    "allgather_",
+    "_allgather_base_",
+    "allgather_into_tensor_coalesced_",
+    "all_gather_single_",
+    "all_gather_single",
+    "all_reduce",
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_out",
+)
+BATCH_NORM_OPS = (
+    "batch_norm_stats",
+    "batch_norm_gather_stats",
+    "batch_norm_gather_stats_with_counts",
+    "batch_norm_elemt",
+    "batch_norm_update_stats",
+)
 
 
-@contextlib.contextmanager
-def _no_gathering():
-    saved = {name: getattr(dist, name) for name in ("all_gather", "all_gather_into_tensor",
-                                                    "all_gather_object", "gather")}  # fmt: skip
+class _StatisticsOnly(OnlyCommunication):
+    """Refuses other collectives (OnlyCommunication), torch's batch-norm kernels however they are
+    called (``torch.batch_norm_stats``, ``torch.ops.aten...``), and any communicated tensor as large
+    as this rank's batch."""
 
-    def refuse(*args, **kwargs):
-        fail("03b.1", GATHERING)
+    def __init__(self, batch_numel: int):
+        super().__init__("03b.1", STATS_OPS, OTHER_COLLECTIVE)
+        self.batch_numel = batch_numel
 
-    for name in saved:
-        setattr(dist, name, refuse)
-    try:
-        yield
-    finally:
-        for name, f in saved.items():
-            setattr(dist, name, f)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace = getattr(func, "namespace", "")
+        name = func._schema.name.split("::")[-1]
+        if namespace == "aten" and name in BATCH_NORM_OPS:
+            fail("03b.1", BUILT_IN)
+        if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            sizes = [t.numel() for t in _tensors(args) + _tensors(list((kwargs or {}).values()))]
+            if sizes and max(sizes) >= self.batch_numel:
+                fail("03b.1", GATHERING)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def _stats_worker(ctx, sync_batch_stats, shapes):
+def _tensors(values) -> list:
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out += _tensors(v)
+    return out
+
+
+# (rows of rank 0, then per rank 5 more; the channel dimension; the rest), an offset and a spread:
+# the last case is float32 with values around 1e4 and a spread of 1, where E[x²] − E[x]² cancels
+CASES = [
+    ((12, 3), torch.float64, 1.0, 1.0),
+    ((6, 5, 6), torch.float64, 1.0, 1.0),
+    ((4, 2, 3, 3), torch.float64, 1.0, 1.0),
+    ((16, 4, 8), torch.float32, 1e4, 1.0),
+]
+
+
+def _stats_worker(ctx, sync_batch_stats, cases):
     n, r = ctx.world_size, ctx.rank
-    refused_ops = [getattr(torch, f) for f in ("batch_norm_stats", "batch_norm_gather_stats",
-                   "batch_norm_gather_stats_with_counts", "batch_norm_elemt") if hasattr(torch, f)]  # fmt: skip
-    for shape in shapes:  # shape[0] is this rank's batch: it differs from rank to rank
+    for shape, dtype, offset, spread in cases:
         batches = []
-        for q in range(n):
+        for q in range(n):  # every rank's batch: sizes differ, and so do their means
             g = torch.Generator().manual_seed(100 * q + len(shape))
-            rows = shape[0] + 3 * q
-            batches.append(torch.randn(rows, *shape[1:], generator=g, dtype=torch.float64) + q)
-        x = batches[r].to(ctx.device)
-        with _no_gathering(), RefuseTorch("03b.1", BUILT_IN, funcs=refused_ops):
+            rows = shape[0] + 5 * q
+            noise = torch.randn(rows, *shape[1:], generator=g, dtype=torch.float64)
+            batches.append(noise * spread + offset + 0.5 * q * spread)
+        x = batches[r].to(ctx.device, dtype)
+        with RefuseTorch("03b.1", BUILT_IN, funcs=_torch_batch_norm()), _StatisticsOnly(x.numel()):
             got = sync_batch_stats(x)
         if not (isinstance(got, tuple) and len(got) == 2):
             fail("03b.1", "return (mean, var), one value per channel each")
-        mean, var = (t.detach().cpu() for t in got)
-        whole = torch.cat(batches)  # one process sees every rank's batch
+        mean, var = (t.detach().cpu().double() for t in got)
+        whole = torch.cat(batches)  # one process sees every rank's batch, in float64
         dims = [0, *range(2, whole.dim())]  # every dimension but the channels
         want_mean, want_var = whole.mean(dims), whole.var(dims, unbiased=False)
-        where = f"on {n} ranks with batches of {[b.shape[0] for b in batches]}, shape {tuple(x.shape)}"
+        where = (
+            f"on {n} ranks with batches of {[b.shape[0] for b in batches]}, shape "
+            f"{tuple(x.shape)}, {str(dtype).replace('torch.', '')}"
+        )
         if tuple(mean.shape) != tuple(want_mean.shape) or tuple(var.shape) != tuple(want_var.shape):
             fail("03b.1", f"{where}: mean and var must have one value per channel, shape "
                  f"{tuple(want_mean.shape)}")  # fmt: skip
-        if not torch.allclose(mean, want_mean, rtol=1e-10, atol=1e-12):
+        tol = 1e-10 if dtype == torch.float64 else 1e-6
+        if not torch.allclose(mean, want_mean, rtol=tol, atol=tol * spread):
             equal_weights = torch.stack([b.mean(dims) for b in batches]).mean(0)
-            if torch.allclose(mean, equal_weights, rtol=1e-10, atol=1e-12):
+            if torch.allclose(mean, equal_weights, rtol=tol, atol=tol * spread):
                 hint = (
                     "the mean of the ranks' means weighs every rank alike, but their batches "
-                    "differ in size: sum the samples and count them, then divide"
+                    "differ in size: weigh each rank by its number of values"
                 )
             else:
-                hint = "the global mean is the sum of every rank's samples over their number"
+                hint = "the global mean is the sum of every rank's values over their number"
             fail("03b.1", f"{where}: your mean is wrong: {hint}.")
-        if not torch.allclose(var, want_var, rtol=1e-9, atol=1e-12):
+        vtol = 1e-9 if dtype == torch.float64 else 1e-3
+        if not torch.allclose(var, want_var, rtol=vtol, atol=vtol * spread**2):
             count = whole.numel() // whole.shape[1]
-            if torch.allclose(var, want_var * count / (count - 1), rtol=1e-9, atol=1e-12):
+            if torch.allclose(var, want_var * count / (count - 1), rtol=vtol, atol=1e-12):
                 hint = "BatchNorm normalises with the biased variance (divide by N, not N - 1)"
+            elif dtype == torch.float32:
+                hint = (
+                    f"off by up to {(var - want_var).abs().max().item():.2g} where the values sit "
+                    f"around {offset:g} with a spread of {spread:g}: a difference of two large, "
+                    "nearly equal sums (E[x²] − E[x]²) keeps only float32's last digits. Combine "
+                    "quantities measured around a mean instead"
+                )
             else:
                 hint = (
-                    "the variance of the union is not the mean of the ranks' variances: all-reduce "
-                    "the sums of squares too, and use E[x²] − E[x]²"
+                    "the variance of the union is not the mean of the ranks' variances: each "
+                    "rank's values spread around its own mean, and those means spread around the "
+                    "global one"
                 )
             fail("03b.1", f"{where}: your variance is wrong: {hint}.")
     return True
 
 
+def _torch_batch_norm() -> list:
+    names = ("batch_norm_stats", "batch_norm_gather_stats", "batch_norm_gather_stats_with_counts",
+             "batch_norm_elemt", "batch_norm_update_stats")  # fmt: skip
+    return [getattr(torch, f) for f in names if hasattr(torch, f)]
+
+
 def check_sync_batch_stats(sync_batch_stats) -> None:
     """Exercise 03b.1: ``sync_batch_stats(x)``: the mean and (biased) variance per channel over every
-    rank's batch, as SyncBatchNorm normalises with, from statistics all-reduced across ranks."""
-    shapes = [(4, 3), (2, 5, 6), (1, 2, 3, 3)]  # (N, C), (N, C, L), (N, C, H, W)
+    rank's batch, as SyncBatchNorm normalises with, from per-rank statistics, exact in float32 too."""
     for n in (2, 3):
         launch_check("03b.1", _stats_worker, n, sync_batch_stats=sync_batch_stats,
-                     shapes=shapes, timeout=90)  # fmt: skip
+                     cases=CASES, timeout=90)  # fmt: skip
     passed("03b.1", "the global mean and variance on 2 and 3 ranks with batches of different "
-           "sizes, for (N, C), (N, C, L) and (N, C, H, W) inputs, without gathering the data")  # fmt: skip
+           "sizes, for (N, C), (N, C, L) and (N, C, H, W) inputs, in float32 around 1e4 too, "
+           "without sending the data")  # fmt: skip
+
+
+JOIN = "write it yourself: torch's Join (with DDP's join hook) is what this exercise rebuilds"
+DDP_REFUSED = (
+    "the model comes unwrapped on purpose: average the gradients yourself; torch's DDP divides by "
+    "every rank, not by the ranks that still had data"
+)
+AHEAD = (
+    "your function read batch {k} before taking step {k}: take one batch per step. A data loader "
+    "streams its batches; it cannot be counted in advance"
+)
 
 
 @contextlib.contextmanager
-def _no_join():
+def _no_join_no_ddp():
     from torch.distributed.algorithms import join
+    from torch.nn.parallel import DistributedDataParallel
 
-    saved = join.Join.__init__
+    saved = join.Join.__init__, DistributedDataParallel.__init__
 
-    def refuse(*args, **kwargs):
-        fail("03b.2", "write the agreement yourself: torch's Join is what this exercise rebuilds")
+    def refuse_join(*args, **kwargs):
+        fail("03b.2", JOIN)
 
-    join.Join.__init__ = refuse
+    def refuse_ddp(*args, **kwargs):
+        fail("03b.2", DDP_REFUSED)
+
+    join.Join.__init__, DistributedDataParallel.__init__ = refuse_join, refuse_ddp
     try:
         yield
     finally:
-        join.Join.__init__ = saved
+        join.Join.__init__, DistributedDataParallel.__init__ = saved
 
 
-def _uneven_worker(ctx, train_while_all_have_data, lengths):
-    from torch.nn.parallel import DistributedDataParallel as DDP
+class _Streaming:
+    """This rank's batches, one per optimizer step: batch k only once k steps were taken."""
 
+    def __init__(self, batches, optimizer):
+        self.batches, self.optimizer, self.k = batches, optimizer, 0
+        self.steps = 0
+        step = optimizer.step
+
+        def counted(*args, **kwargs):
+            self.steps += 1
+            return step(*args, **kwargs)
+
+        optimizer.step = counted
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.k > self.steps:
+            fail("03b.2", AHEAD.format(k=self.k))
+        if self.k >= len(self.batches):
+            raise StopIteration
+        self.k += 1
+        return self.batches[self.k - 1]
+
+
+def _uneven_worker(ctx, train_with_uneven_data, lengths):
     n, r = ctx.world_size, ctx.rank
     torch.manual_seed(0)
     reference = ToyMLP().double().to(ctx.device)
     torch.manual_seed(0)
-    model = DDP(ToyMLP().double().to(ctx.device))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model = ToyMLP().double().to(ctx.device)
+    # momentum: a rank that skipped a step would drift from the others for good
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     data = []
     for q in range(n):
         g = torch.Generator().manual_seed(q)
         data.append([(torch.randn(4, 16, generator=g, dtype=torch.float64),
                       torch.randint(4, (4,), generator=g)) for _ in range(lengths[q])])  # fmt: skip
     mine = [(x.to(ctx.device), y.to(ctx.device)) for x, y in data[r]]
-    with _no_join():
-        steps = train_while_all_have_data(model, opt, iter(mine))
-    common = min(lengths)
-    if steps != common:
+    with _no_join_no_ddp():
+        steps = train_with_uneven_data(model, opt, _Streaming(mine, opt))
+    longest = max(lengths)
+    if steps != longest:
         fail("03b.2", f"rank {r} took {steps} steps with {lengths[r]} batches, the ranks having "
-             f"{lengths}: every rank must stop after {common}, when the first one runs out")  # fmt: skip
-    for s in range(common):  # one process: the same steps on every rank's batches, averaged
+             f"{lengths}: training goes on until the last rank runs out, {longest} steps on "
+             "every rank")  # fmt: skip
+    for s in range(longest):  # one process: each step averages the ranks that still had a batch
         opt_ref.zero_grad()
-        for q in range(n):
+        active = [q for q in range(n) if s < lengths[q]]
+        for q in active:
             x, y = data[q][s]
-            (nn.functional.cross_entropy(reference(x.to(ctx.device)), y.to(ctx.device)) / n).backward()
+            loss = nn.functional.cross_entropy(reference(x.to(ctx.device)), y.to(ctx.device))
+            (loss / len(active)).backward()
         opt_ref.step()
-    diff = max((p - q).abs().max().item() for p, q in zip(model.module.parameters(),
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(),
                                                           reference.parameters()))  # fmt: skip
     if diff > 1e-12:
-        fail("03b.2", f"rank {r}'s parameters differ from one process by {diff:.1e}: train on "
-             "this rank's batches in order, one optimizer step per batch, while every rank "
-             "still has one")  # fmt: skip
+        shorter = [q for q in range(n) if lengths[q] < longest]
+        fail("03b.2", f"rank {r}'s parameters differ from one process by {diff:.1e} after "
+             f"{longest} steps with {list(lengths)} batches: once rank(s) {shorter} ran out, one "
+             "process averages over the ranks that still had a batch (not over all of them), and "
+             "every rank, finished or not, takes that same step")  # fmt: skip
     return steps
 
 
-def check_train_while_all_have_data(train_while_all_have_data) -> None:
-    """Exercise 03b.2: ``train_while_all_have_data(model, optimizer, batches) -> steps``: DDP
-    training over this rank's iterator of batches, every rank stopping at the same step."""
+def _mismatched(error) -> bool:
+    """Whether a rank failed in the communication itself: a peer that had closed its connections,
+    or a collective that did not match the others' (gloo aborts the process on a size mismatch)."""
+    text = str(error).lower()
+    return any(w in text for w in ("connection closed", "connection reset", "broken pipe",
+                                   "peer", "mismatch", "gloo::", "nccl"))  # fmt: skip
+
+
+def check_train_with_uneven_data(train_with_uneven_data, timeout: float = 60) -> None:
+    """Exercise 03b.2: ``train_with_uneven_data(model, optimizer, batches) -> steps``: every rank
+    trains until the last rank runs out of batches; each step's gradient is the mean over the ranks
+    that still had a batch, and every rank takes it: equal to one process, without Join or DDP."""
     from ..launcher import LaunchError, RankTimeoutError
 
     for lengths in ((3, 5), (4, 4), (6, 2, 4), (1, 3, 2)):
         try:
             launch_check("03b.2", _uneven_worker, len(lengths), lengths=lengths,
-                         train_while_all_have_data=train_while_all_have_data, timeout=20)  # fmt: skip
+                         train_with_uneven_data=train_with_uneven_data,
+                         timeout=timeout)  # fmt: skip
         except LaunchError as e:  # a hang, or a rank whose peer had already left
-            what = "hung" if isinstance(e, RankTimeoutError) else "failed (a peer had left)"
+            if isinstance(e, RankTimeoutError):
+                what = "hung"
+            elif _mismatched(e):
+                what = "failed in their communication"
+            else:
+                raise  # the student's own error, with its traceback
             raise ExerciseError(
                 f"exercise 03b.2: with {list(lengths)} batches on {len(lengths)} ranks the ranks "
-                f"{what}: a rank ran a step (its backward's all-reduce) that the others did not "
-                "join. Before each step, agree with the other ranks whether every rank still "
-                "has a batch."
+                f"{what}: a rank issued a collective that the others did not join. Every rank "
+                "must take part in every step's communication, with or without a batch of its own."
             ) from None
-    passed("03b.2", "every rank stops when the first runs out, equal to one process, on 2 and "
-           "3 ranks with uneven data")  # fmt: skip
+    passed("03b.2", "equal to one process on 2 and 3 ranks with uneven data: every step averages "
+           "the ranks that still had a batch, and every rank takes it")  # fmt: skip
 
 
-__all__ = ["check_sync_batch_stats", "check_train_while_all_have_data"]
+__all__ = ["check_sync_batch_stats", "check_train_with_uneven_data"]

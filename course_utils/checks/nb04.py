@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..profiling.analysis import analyse_trace, union
+from ..profiling.analysis import analyse, analyse_trace, union
 from ..profiling.collectives import OPS, bus_factor
 from ..profiling.trace import load_trace
-from .common import fail, passed, refused
+from .common import fail, passed, refuse_copies, refused
 
 
 def _x(name, ts, dur, tid=1, cat="cpu_op"):
@@ -93,6 +93,12 @@ def _comm_total_ms(trace, k) -> float:
     return float((e - s).sum()) / 1e3
 
 
+WHOLE_BREAKDOWN = (
+    "your function asked the course's breakdown (analyse / analyse_trace), which the check "
+    "compares with; build the exposed time yourself from the trace's events, union and subtract"
+)
+
+
 def check_exposed_communication(exposed_communication_ms, traces=None) -> None:
     """Exercise 04.1: ``exposed_communication_ms(trace, k)`` for recorded step ``k`` of a CPU trace."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,11 +109,16 @@ def check_exposed_communication(exposed_communication_ms, traces=None) -> None:
     for rank, t in sorted((traces or {}).items()):
         if not t.has_gpu:  # the notebook's own CPU ranks (the definition is the CPU one)
             loaded.append((f"rank {rank} of the notebook's first run", t))
+    refuse_copies("04.1", exposed_communication_ms, (analyse_trace, analyse), WHOLE_BREAKDOWN)
     checked = 0
     for label, trace in loaded:
         for k, breakdown in enumerate(analyse_trace(trace)):
             want = breakdown.communication
-            got = float(exposed_communication_ms(trace, k))
+            with (
+                refused("04.1", exposed_communication_ms, analyse_trace, WHOLE_BREAKDOWN),
+                refused("04.1", exposed_communication_ms, analyse, WHOLE_BREAKDOWN),
+            ):
+                got = float(exposed_communication_ms(trace, k))
             checked += 1
             if abs(got - want) <= 1e-6 * max(1.0, want):
                 continue

@@ -1,4 +1,6 @@
-"""The smallest complete DDP training script: what notebook 03 starts from. Run it with torchrun:
+"""The smallest complete DDP training script: what notebook 03 starts from.
+
+Run it with torchrun:
 
     torchrun --standalone --nproc-per-node 4 minimal.py --data-dir /scratch/data --epochs 2
 """
