@@ -11,9 +11,13 @@ each segment gets exactly one class, so the classes add up to the step time:
   the part of it that runs while the training thread computes is *hidden*,
   the rest is *exposed*.
 - GPU ranks (NCCL): the device is the reference. Precedence:
-  compute > communication > data > optimizer > idle. Compute is every kernel
-  and memory copy except NCCL's; communication is NCCL kernels; data and
+  compute > memory > communication > data > optimizer > idle. Compute is every
+  kernel except NCCL's; memory is the device's copies and fills (``Memcpy``,
+  ``Memset``), which move bytes and compute nothing (Holistic Trace Analysis
+  counts them apart the same way); communication is NCCL kernels; data and
   optimizer are the CPU-side annotations while the GPU has nothing to run.
+  Kernel-busy time is not model FLOP utilisation: a kernel that waits on
+  memory counts as compute here.
 
 Straggler: in synchronous data parallelism every rank waits for the slowest
 one inside a collective. Per step, the rank with the most non-communication
@@ -32,10 +36,11 @@ import numpy as np
 
 from .trace import MARKER, STEP, Trace
 
-CLASSES = ("compute", "communication", "data", "optimizer", "idle")
+CLASSES = ("compute", "memory", "communication", "data", "optimizer", "idle")
 COMM = re.compile(r"^(gloo:|nccl:|c10d::|record_param_comms|nccl[A-Z]|ncclDevKernel|ncclKernel)")
 DATA = re.compile(r"^(enumerate\(DataLoader\)|data($|[\s_:.#/-]))", re.IGNORECASE)
 OPTIMIZER = re.compile(r"^(Optimizer\.(step|zero_grad)#|optimizer($|[\s_:.#/-]))", re.IGNORECASE)
+MEMORY = re.compile(r"^(Memcpy|Memset) ")  # a GPU stream's copies and fills (kernel names differ)
 
 
 def classify_name(name: str) -> str | None:
@@ -44,6 +49,8 @@ def classify_name(name: str) -> str | None:
         return None
     if COMM.match(name):
         return "communication"
+    if MEMORY.match(name):
+        return "memory"
     if DATA.match(name):
         return "data"
     if OPTIMIZER.match(name):
@@ -82,6 +89,7 @@ class StepBreakdown:
     start_ms: float
     step_ms: float
     compute: float
+    memory: float
     communication: float
     data: float
     optimizer: float
@@ -98,7 +106,7 @@ class StepBreakdown:
     @property
     def busy(self) -> float:
         """Non-communication work: what the other ranks wait for."""
-        return self.compute + self.data + self.optimizer
+        return self.compute + self.memory + self.data + self.optimizer
 
     def row(self) -> dict:
         return {
@@ -108,6 +116,7 @@ class StepBreakdown:
                 "step",
                 "step_ms",
                 "compute",
+                "memory",
                 "communication",
                 "data",
                 "optimizer",
@@ -119,7 +128,7 @@ class StepBreakdown:
 
 def _class_masks(t: Trace) -> dict[str, np.ndarray]:
     cls = np.array([classify_name(n) or "" for n in t.names], dtype=object)[t.name_id]
-    return {c: cls == c for c in ("compute", "communication", "data", "optimizer")}
+    return {c: cls == c for c in ("compute", "memory", "communication", "data", "optimizer")}
 
 
 def analyse_trace(t: Trace) -> list[StepBreakdown]:
@@ -133,14 +142,15 @@ def analyse_trace(t: Trace) -> list[StepBreakdown]:
     is_op = ~t.name_is_annotation[t.name_id]
     sources = {
         "compute": masks["compute"] & (on_gpu if gpu else main & is_op),
+        "memory": masks["memory"] & on_gpu,
         "communication": masks["communication"] & (on_gpu if gpu else ~on_gpu),
         "data": masks["data"] & ~on_gpu,
         "optimizer": masks["optimizer"] & ~on_gpu,
     }
     order = (
-        ("compute", "communication", "data", "optimizer")
+        ("compute", "memory", "communication", "data", "optimizer")
         if gpu
-        else ("data", "optimizer", "compute", "communication")
+        else ("data", "optimizer", "compute", "memory", "communication")
     )
     out = []
     for step, s0, s1 in t.steps:
@@ -338,6 +348,7 @@ class Analysis:
             ("rank", 4),
             ("step time", 9),
             ("compute", 8),
+            ("memory", 7),
             ("comm exposed", 12),
             ("data", 7),
             ("optimizer", 9),
@@ -353,6 +364,7 @@ class Analysis:
                 f"{r['rank']:>4}",
                 f"{r['step_ms']:9.2f}",
                 f"{r['compute']:8.2f}",
+                f"{r['memory']:7.2f}",
                 f"{r['communication']:12.2f}",
                 f"{r['data']:7.2f}",
                 f"{r['optimizer']:9.2f}",
@@ -363,7 +375,7 @@ class Analysis:
             lines.append(" | ".join(values) + ("   <- straggler" if r["rank"] == slow else ""))
         lines.append(
             "Milliseconds per step, mean over the recorded steps, except comm hidden %. "
-            "compute + comm exposed + data + optimizer + idle = step time. comm exposed: "
+            "compute + memory + comm exposed + data + optimizer + idle = step time (memory: a GPU's copies and fills). comm exposed: "
             "communication while the rank did nothing else; comm total: all of it, including what "
             "overlapped compute; comm hidden %: the share of comm total that overlapped."
         )

@@ -8,6 +8,7 @@ from .analysis import CLASSES, Analysis
 
 COLORS = {
     "compute": "tab:blue",
+    "memory": "tab:cyan",
     "communication": "tab:red",
     "data": "tab:green",
     "optimizer": "tab:purple",
@@ -41,7 +42,7 @@ def timeline(
     ax.legend(
         handles,
         CLASSES,
-        ncol=5,
+        ncol=6,
         loc="upper center",
         bbox_to_anchor=(0.5, -0.35 - 0.05 * len(ranks)),
         frameon=False,
