@@ -257,6 +257,11 @@ def refuse_calls(number: str, references, message: str):
     sys.setprofile(watch)
     try:
         yield
+    except Exception:
+        sys.setprofile(previous)
+        if hit:  # the package's code ran, then something broke: the refusal is the real answer
+            fail(number, message)
+        raise
     finally:
         sys.setprofile(previous)
     if hit:
