@@ -12,7 +12,7 @@ from course_utils.pipeline import partition as partition_module
 from course_utils.pipeline.partition import balanced_split, boundary_shapes, partition, time_costs
 from course_utils.pipeline.run import check_pipeline
 from course_utils.pipeline.run import run_pipeline as _run_pipeline
-from course_utils.pipeline.simulate import _order, simulate, theory_bubble
+from course_utils.pipeline.simulate import schedule_order, simulate, theory_bubble
 
 
 def run_pipeline(*args, **kwargs):
@@ -119,7 +119,7 @@ ONE_F_ONE_B = {
 
 @pytest.mark.parametrize("p, m", list(ONE_F_ONE_B))
 def test_1f1b_order_matches_the_hand_written_table(p, m):
-    got = [" ".join(f"{a.kind}{a.micro}" for a in acts) for acts in _order("1f1b", p, m, 1)]
+    got = [" ".join(f"{a.kind}{a.micro}" for a in acts) for acts in schedule_order("1f1b", p, m, 1)]
     assert got == ONE_F_ONE_B[(p, m)]
 
 
@@ -201,6 +201,44 @@ def test_recv_label_moves_an_action_start_to_the_data_arrival(tmp_path):
     got = [(e.action.kind, e.start, e.end) for e in stage_events(t)]
     assert got == [("F", 4.0, 5.0), ("B", 6.0, 8.0)]
     assert measured_bubble({1: t})["mean"] == pytest.approx(1 - 3.0 / 10.0)
+
+
+def test_the_bubble_is_measured_inside_the_schedule_not_the_step(tmp_path):
+    """Making the batch, zero_grad and the optimizer step lie outside pipeline:step: not bubble."""
+    import json
+
+    from course_utils.pipeline.measure import measured_bubble
+    from course_utils.profiling.trace import load_trace
+
+    def ev(name, ts, dur, cat="user_annotation"):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur}
+
+    events = [
+        ev("ProfilerStep#2", 0, 10_000),
+        ev("pipeline:step", 2_000, 6_000),  # 2 ms of data before, 2 ms of optimizer after
+        ev("pipeline:F0", 2_000, 2_000),
+        ev("pipeline:B0", 5_000, 3_000),
+    ]
+    path = tmp_path / "rank0.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events,
+                                "distributedInfo": {"rank": 0, "world_size": 2}}))  # fmt: skip
+    got = measured_bubble({0: load_trace(path)})
+    assert got["mean"] == pytest.approx(1 - 5.0 / 6.0)  # 1 ms idle in a 6 ms schedule
+    assert got["outside"][0] == pytest.approx(0.4)
+
+
+@pytest.mark.multiprocess
+def test_the_runtime_times_each_stage_inside_the_schedule(runs_root):
+    """StageRunner.timings: busy <= span on every stage; with m = 1 on 2 stages each stage idles
+    while the other works, about half the schedule; the receive waits are not busy time."""
+    res = run_pipeline(pipeline_mlp, "gpipe", p=2, m=1, steps=3, compare=False)
+    for out in res.results:
+        assert len(out["timings"]) == 3
+        for step in out["timings"]:
+            assert 0 < step["busy"] <= step["span"]
+            assert step["bubble"] == pytest.approx(step["span"] - step["busy"])
+    last = [1 - t["busy"] / t["span"] for t in res.results[1]["timings"]]
+    assert min(last) > 0.2, last  # stage 1 waits for stage 0's whole forward every step
 
 
 def test_model_must_be_sequential(runs_root):

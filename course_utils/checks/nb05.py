@@ -1,13 +1,16 @@
-"""Checks for notebook 05 (pipeline parallelism): the 1F1B order, and balanced stages."""
+"""Checks for notebook 05 (pipeline parallelism): the 1F1B order, balanced stages, and the
+mailbox that pairs a stage's sends with its next receive."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 
-from ..pipeline.partition import balanced_split
-from ..pipeline.simulate import _order
-from .common import fail, passed, refused
+from ..pipeline import p2p
+from ..pipeline.partition import balanced_split, partition
+from ..pipeline.simulate import schedule_order
+from .common import fail, passed, refuse_calls, refuse_copies, refused
 
 
 def _as_pairs(actions) -> list[tuple[str, int]]:
@@ -19,8 +22,8 @@ def _as_pairs(actions) -> list[tuple[str, int]]:
 
 
 SIMULATOR = (
-    "your function asked the simulator for the order (_order, or simulate(), which calls it); "
-    "the check compares with the simulator, so write the order from 1F1B's rule yourself"
+    "your function asked the simulator for the order (schedule_order, or simulate(), which calls "
+    "it); the check compares with the simulator, so build the order yourself"
 )
 
 
@@ -28,8 +31,8 @@ def check_one_f_one_b(one_f_one_b) -> None:
     """Exercise 05.1: ``one_f_one_b(p, m)``: per stage, the ("F"|"B", micro-batch) order of 1F1B."""
     cases = [(2, 1), (2, 4), (3, 5), (4, 8), (4, 2), (4, 4), (8, 3), (5, 16)]
     for p, m in cases:
-        want = [_as_pairs(acts) for acts in _order("1f1b", p, m, 1)]
-        with refused("05.1", one_f_one_b, _order, SIMULATOR):
+        want = [_as_pairs(acts) for acts in schedule_order("1f1b", p, m, 1)]
+        with refused("05.1", one_f_one_b, schedule_order, SIMULATOR):
             got = one_f_one_b(p, m)
         if len(got) != p:
             fail("05.1", f"for p={p}, m={m} return one list per stage ({p}), got {len(got)}")
@@ -48,9 +51,10 @@ def check_one_f_one_b(one_f_one_b) -> None:
             if warm_mine != warm_ref:
                 fail(
                     "05.1",
-                    f"stage {s} of p={p}, m={m}: your stage runs {warm_mine} forwards before its first "
-                    "backward; in 1F1B stage s first runs p - s - 1 warm-up forwards (never more than "
-                    "m), then one forward and one backward in turn",
+                    f"stage {s} of p={p}, m={m}: your stage runs {warm_mine} forwards before its "
+                    "first backward, which is not what 1F1B's chart shows for that stage. Count "
+                    "them in the chart for each stage (and think of m < p: a stage cannot run more "
+                    "forwards than there are micro-batches)",
                 )
             fail(
                 "05.1",
@@ -64,8 +68,15 @@ def _worst(costs, bounds) -> float:
     return max(sum(costs[a:b]) for a, b in bounds)
 
 
+PACKAGE_SPLIT = (
+    "that is the package's own balanced_split (partition() calls it too), which the check "
+    "compares with: write the search over the cuts yourself"
+)
+
+
 def check_balanced_split(balanced_split_fn) -> None:
     """Exercise 05.2: ``balanced_split(costs, p)``: contiguous stages, the slowest as fast as possible."""
+    refuse_copies("05.2", balanced_split_fn, (balanced_split,), PACKAGE_SPLIT)
     rng = random.Random(0)
     cases = [
         ([1, 1, 1, 1], 2),
@@ -80,7 +91,12 @@ def check_balanced_split(balanced_split_fn) -> None:
     ]
     cases = [(c, p) for c, p in cases if p <= len(c)]
     for costs, p in cases:
-        got = [tuple(b) for b in balanced_split_fn(list(costs), p)]
+        best = _worst(costs, balanced_split(costs, p))  # before the package's name is refused
+        with (
+            refused("05.2", balanced_split_fn, balanced_split, PACKAGE_SPLIT),
+            refused("05.2", balanced_split_fn, partition, PACKAGE_SPLIT),
+        ):
+            got = [tuple(b) for b in balanced_split_fn(list(costs), p)]
         where = f"costs {costs} on {p} stages"
         if len(got) != p:
             fail("05.2", f"{where}: return {p} (start, end) ranges, got {len(got)}")
@@ -94,7 +110,6 @@ def check_balanced_split(balanced_split_fn) -> None:
                 "05.2",
                 f"{where}: each stage must start where the previous one ends (contiguous layers)",
             )
-        best = _worst(costs, balanced_split(costs, p))
         if _worst(costs, got) > best:
             fail(
                 "05.2",
@@ -103,3 +118,46 @@ def check_balanced_split(balanced_split_fn) -> None:
                 "layers before it into p - 1 stages.",
             )
     passed("05.2", f"optimal contiguous splits for {len(cases)} cost lists")
+
+
+# ---- 05.3 the mailbox -------------------------------------------------------------------------
+
+PACKAGE_MAILBOX = (
+    "that is the package's own Mailbox (course_utils.pipeline.p2p), which the check compares "
+    "with: write the pairing of sends and receives yourself"
+)
+
+
+def check_mailbox(mailbox_cls, timeout: float = 60) -> None:
+    """Exercise 05.3: ``Mailbox(group)`` with ``send``, ``recv``, ``flush`` and ``wait_all``, run
+    in the course's pipeline runtime (GPipe and 1F1B, 2 and 3 stages) against one process, with
+    every point-to-point operation watched: each send leaves in one ``batch_isend_irecv`` with the
+    stage's next receive (or with ``flush``), never on its own, and every send has completed when
+    ``wait_all`` returns."""
+    from ..launcher import RankTimeoutError
+    from .common import ExerciseError, launch_check
+    from .nb05_mailbox import mailbox_worker
+
+    refuse_copies("05.3", mailbox_cls, (p2p.Mailbox,), PACKAGE_MAILBOX)
+    for p, schedule, m in ((2, "1f1b", 4), (3, "1f1b", 5), (3, "gpipe", 3), (2, "1f1b", 1)):
+        try:
+            launch_check("05.3", mailbox_worker, p, mailbox_cls=mailbox_cls, schedule=schedule,
+                         m=m, timeout=timeout)  # fmt: skip
+        except RankTimeoutError:
+            raise ExerciseError(
+                f"exercise 05.3: {schedule} on {p} stages with m={m} hung: two neighbours each "
+                "waited for the other, or a receive never met its send"
+            ) from None
+    passed("05.3", "GPipe and 1F1B on 2 and 3 stages equal to one process, every send batched "
+           "with the next receive or a flush, and complete when wait_all returns")  # fmt: skip
+
+
+@contextlib.contextmanager
+def refusing_package_mailbox(mailbox_cls):
+    """While a rank runs the student's mailbox, the package's Mailbox (by name, subclassed,
+    delegated to or pasted) refuses."""
+    with (
+        refused("05.3", mailbox_cls, p2p.Mailbox, PACKAGE_MAILBOX),
+        refuse_calls("05.3", [p2p.Mailbox], PACKAGE_MAILBOX),
+    ):
+        yield

@@ -1,9 +1,10 @@
 """The pipeline as it really ran: F/B events from each stage's profiler trace, and its bubble.
 
-The runtime labels every action ``pipeline:F{i}`` / ``pipeline:B{i}`` (:mod:`.schedules`), so the
-trace of stage ``s`` holds when each micro-batch's forward and backward ran there. The measured
-bubble of a stage is the fraction of the step during which it ran neither:
-``1 - busy / step``. Its time includes waiting in ``recv`` for a neighbour, which is exactly the
+The runtime labels every action ``pipeline:F{i}`` / ``pipeline:B{i}`` and the whole schedule
+``pipeline:step`` (:mod:`.schedules`), so the trace of stage ``s`` holds when each micro-batch's
+forward and backward ran there. The measured bubble of a stage is the fraction of the schedule
+during which it ran neither: ``1 - busy / schedule``. Making the batch, ``zero_grad`` and the
+optimizer step lie outside the schedule: they are not bubble, and are reported apart. Its time includes waiting in ``recv`` for a neighbour, which is exactly the
 bubble, while the transfer itself overlaps the neighbour's work.
 
 On a GPU the runtime makes each label span device time (it waits for its compute stream after
@@ -62,15 +63,38 @@ def stage_events(trace: Trace, step_index: int = -1) -> list[Timed]:
     return sorted(out, key=lambda t: t.start)
 
 
+def _schedule_span_ms(trace: Trace, k: int) -> float:
+    """ms of recorded step ``k`` inside the runtime's ``pipeline:step`` label: the schedule alone,
+    without the data, ``zero_grad`` and the optimizer step around it (the whole step when the
+    trace has no such label)."""
+    _, s0, s1 = trace.steps[k]
+    if "pipeline:step" in trace.names:
+        nid = trace.names.index("pipeline:step")
+        hit = (trace.name_id == nid) & (trace.start >= s0) & (trace.end <= s1)
+        if hit.any():
+            return float((trace.end[hit] - trace.start[hit]).sum()) / 1e3
+    return (s1 - s0) / 1e3
+
+
 def measured_bubble(traces: dict[int, Trace]) -> dict:
-    """Per stage and overall: idle fraction of the recorded steps (work = F/B minus receive waits)."""
-    per_stage = {}
+    """Per stage and overall: the idle fraction of the schedule in the recorded steps (work = F/B
+    minus receive waits; the schedule = the ``pipeline:step`` label, which leaves out making the
+    data, ``zero_grad`` and the optimizer step), and ``outside``: the share of each step that
+    lies outside the schedule."""
+    per_stage, outside = {}, {}
     for rank, t in traces.items():
-        fractions = []
+        fractions, rest = [], []
         for k in range(len(t.steps)):
             events = stage_events(t, k)
             step_ms = (t.steps[k][2] - t.steps[k][1]) / 1e3
+            span_ms = _schedule_span_ms(t, k)
             s, e = union(np.array([ev.start for ev in events]), np.array([ev.end for ev in events]))
-            fractions.append(1.0 - float((e - s).sum()) / step_ms)
+            fractions.append(1.0 - float((e - s).sum()) / span_ms)
+            rest.append(1.0 - span_ms / step_ms)
         per_stage[rank] = float(np.mean(fractions))
-    return {"per_stage": per_stage, "mean": float(np.mean(list(per_stage.values())))}
+        outside[rank] = float(np.mean(rest))
+    return {
+        "per_stage": per_stage,
+        "mean": float(np.mean(list(per_stage.values()))),
+        "outside": outside,
+    }

@@ -116,6 +116,7 @@ def pipeline_worker(
     v: int = 1,
     balance: str = "params",
     compare: bool = True,
+    mailbox_cls=None,
 ) -> dict:
     """Train stage ``ctx.rank`` of the pipeline (under ``launch``); report equivalence, memory and time."""
     p, rank = ctx.world_size, ctx.rank
@@ -148,6 +149,7 @@ def pipeline_worker(
             dtype,
             ctx.device,
             loss_fn,
+            mailbox_cls=mailbox_cls,
         )
     else:
         from torch.distributed.pipelining import PipelineStage
@@ -195,7 +197,11 @@ def pipeline_worker(
         "bounds": bounds,
     }
     if schedule in RUNTIME_SCHEDULES:
-        out.update(peak_held_bytes=runner.peak_held_bytes, micro_bytes=max(runner.micro_bytes))
+        out.update(
+            peak_held_bytes=runner.peak_held_bytes,
+            micro_bytes=max(runner.micro_bytes),
+            timings=runner.timings,  # per step: the schedule's span, this stage's busy and bubble
+        )
     return out
 
 

@@ -1,7 +1,7 @@
 """Running a pipeline schedule for real: one stage per rank, micro-batches through P2P.
 
 Each rank executes *the simulator's own* action list for its stage
-(:func:`.simulate._order`). The measured timeline and the theory therefore describe the same
+(:func:`.simulate.schedule_order`). The measured timeline and the theory therefore describe the same
 schedule:
 
 - ``naive``: the whole batch as one micro-batch (``m = 1``): model parallelism with no overlap;
@@ -29,13 +29,15 @@ have run.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 from torch.profiler import record_function
 
 from ..measure import saved_activations
 from . import p2p
-from .simulate import _order
+from .simulate import schedule_order
 
 RUNTIME_SCHEDULES = ("naive", "gpipe", "1f1b")
 
@@ -55,10 +57,17 @@ class StageRunner:
         loss_fn,
         peers: list[int] | None = None,
         group=None,
+        mailbox_cls=None,
     ):
         """``peers[s]`` is the global rank that runs stage ``s`` (default: rank ``s``); ``group``
         the pipeline's process group (default: every rank). With 3D parallelism (notebook 07)
-        each pipeline is one PP group, e.g. ranks ``[1, 5]`` of 8."""
+        each pipeline is one PP group, e.g. ranks ``[1, 5]`` of 8. ``mailbox_cls`` replaces
+        :class:`.p2p.Mailbox` (exercise 05.3 runs a student's mailbox in this runtime).
+
+        Every step also leaves its timing in :attr:`timings` (seconds, one dict per step): the
+        schedule's ``span`` (from the first action to the last send completed), the stage's
+        ``busy`` time inside it (its actions minus the waits in their receives), and their
+        difference, the stage's ``bubble``."""
         self.module, self.stage, self.p = module, stage, p
         self.in_shape, self.out_shape = in_shape, out_shape
         self.dtype, self.device, self.loss_fn = dtype, device, loss_fn
@@ -66,7 +75,10 @@ class StageRunner:
         self.peers = list(peers) if peers is not None else list(range(p))
         if len(self.peers) != p:
             raise ValueError(f"peers {self.peers} must name one rank per stage ({p} stages)")
-        self.mailbox = p2p.Mailbox(group)
+        self.mailbox = (mailbox_cls or p2p.Mailbox)(group)
+        self.timings: list[dict] = []
+        self._busy = 0.0
+        self._work_from = 0.0  # when the current action's work began (after its receive)
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.held: dict[int, int] = {}
@@ -82,12 +94,15 @@ class StageRunner:
         with record_function("pipeline:recv"):
             buf = self.mailbox.recv(shape, self.dtype, self.device, src)
             self._wait_for_device()  # NCCL: wait() returned before the data arrived
+        self._work_from = time.perf_counter()  # the wait was bubble, not work
         return buf
 
     def forward(self, i: int, x: torch.Tensor | None, y: torch.Tensor | None, m: int) -> None:
+        self._work_from = time.perf_counter()
         with record_function(f"pipeline:F{i}"):
             self._forward(i, x, y, m)
             self._wait_for_device()
+        self._busy += time.perf_counter() - self._work_from
 
     def _forward(self, i: int, x: torch.Tensor | None, y: torch.Tensor | None, m: int) -> None:
         if self.first:
@@ -108,6 +123,7 @@ class StageRunner:
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     def backward(self, i: int) -> None:
+        self._work_from = time.perf_counter()
         with record_function(f"pipeline:B{i}"):
             out = self.outputs.pop(i)
             if self.last:
@@ -120,6 +136,7 @@ class StageRunner:
                 self.mailbox.send(inp.grad, self.peers[self.stage - 1])
             self.held_bytes -= self.held.pop(i)
             self._wait_for_device()
+        self._busy += time.perf_counter() - self._work_from
 
     def finish(self) -> None:
         self.mailbox.wait_all()
@@ -132,15 +149,19 @@ def train_step(runner: StageRunner, schedule: str, micro_x: list, micro_y: list)
     m = len(micro_y) if micro_y is not None else len(micro_x)
     name = "gpipe" if schedule == "naive" else schedule
     losses = []
-    for action in _order(name, runner.p, m, 1)[runner.stage]:
-        i = action.micro
-        if action.kind == "F":
-            runner.forward(
-                i, micro_x[i] if runner.first else None, micro_y[i] if runner.last else None, m
-            )
-            if runner.last:
-                losses.append(runner.outputs[i].item() * m)
-        else:
-            runner.backward(i)
-    runner.finish()
+    runner._busy, start = 0.0, time.perf_counter()
+    with record_function("pipeline:step"):  # the schedule alone: no data, no optimizer
+        for action in schedule_order(name, runner.p, m, 1)[runner.stage]:
+            i = action.micro
+            if action.kind == "F":
+                runner.forward(
+                    i, micro_x[i] if runner.first else None, micro_y[i] if runner.last else None, m
+                )
+                if runner.last:
+                    losses.append(runner.outputs[i].item() * m)
+            else:
+                runner.backward(i)
+        runner.finish()
+    span = time.perf_counter() - start
+    runner.timings.append({"span": span, "busy": runner._busy, "bubble": span - runner._busy})
     return losses

@@ -90,7 +90,11 @@ def theory_bubble(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-def _order(name: str, p: int, m: int, v: int) -> list[list[Action]]:
+def schedule_order(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Per stage, the actions of schedule ``name`` in the order that stage runs them (what
+    :func:`simulate` places in time, and what the runtime of :mod:`.schedules` executes)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}: choose one of {SCHEDULES}")
     if name == "gpipe":
         return [
             [Action("F", i, s) for i in range(m)] + [Action("B", i, s) for i in range(m)]
@@ -141,7 +145,7 @@ def simulate(
     if name == "interleaved" and m % p:
         raise ValueError(f"the interleaved schedule needs m to be a multiple of p: m={m}, p={p}")
     t_b = 2 * t_f if t_b is None else t_b
-    sched = Schedule(name, p, m, v, t_f, t_b, _order(name, p, m, v))
+    sched = Schedule(name, p, m, v, t_f, t_b, schedule_order(name, p, m, v))
     last_chunk = p * v - 1
     done: dict[tuple, float] = {}
     cursor, clock = [0] * p, [0.0] * p
@@ -183,20 +187,25 @@ def draw_timeline(
     span = max(t.end for t in timeline) - min(t.start for t in timeline)
     ax = ax or plt.subplots(figsize=(11, 0.5 * p + 1.2))[1]
     cmap = plt.get_cmap("tab20")
+    chunked = any(t.action.chunk >= p for t in timeline)  # interleaved: v chunks per stage
     for t in timeline:
         color = cmap((t.action.micro % 10) * 2 + (1 if t.action.kind == "B" else 0))
+        j = t.action.chunk // p  # which of its chunks the stage runs (0 without interleaving)
         ax.broken_barh(
-            [(t.start, t.end - t.start)], (t.stage - 0.4, 0.8), facecolors=color, edgecolor="white"
+            [(t.start, t.end - t.start)],
+            (t.stage - 0.4, 0.8),
+            facecolors=color,
+            edgecolor="white",
+            hatch="//" if chunked and j % 2 else None,
         )
         if (t.end - t.start) > span / 60:
-            ax.text(
-                (t.start + t.end) / 2,
-                t.stage,
-                f"{t.action.kind}{t.action.micro}",
-                ha="center",
-                va="center",
-                fontsize=7,
-            )
+            label = f"{t.action.kind}{t.action.micro}" + (f".{j}" if chunked else "")
+            ax.text((t.start + t.end) / 2, t.stage, label, ha="center", va="center", fontsize=7)
+    if chunked:
+        title = (title + "\n" if title else "") + (
+            "F3.1 = forward of micro-batch 3 through the stage's chunk 1 (hatched: odd chunks); "
+            f"stage s holds chunks s, s+{p}, ..."
+        )
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_xlabel(f"time ({unit})")
