@@ -157,6 +157,35 @@ def test_apply_tp_swaps_every_planned_module(runs_root):
     assert "Linear" not in kinds.values() and "Embedding" in kinds.values()  # pos stays whole
 
 
+def _dropout_worker(ctx):
+    from course_utils.tensor_parallel.random import ForkedDropout, RNGTracker
+
+    torch.manual_seed(0)  # the same default seed on every rank
+    cfg = GPTConfig(vocab=64, seq_len=8, d_model=32, n_heads=4, n_layers=1, dropout=0.5)
+    model = apply_tp(GPT(cfg), gpt_plan(), seed=3)
+    kinds = {n: type(m).__name__ for n, m in model.named_modules()}
+    drop = model.blocks[0].attn.attn_drop
+    x = torch.ones(2, 2, 8, 8)
+    torch.manual_seed(1)
+    forked = drop(x) > 0  # this rank's heads: its own stream
+    default = torch.nn.functional.dropout(x, 0.5) > 0  # afterwards, the default stream, unchanged
+    before = torch.get_rng_state()
+    with RNGTracker(seed=3).fork():
+        torch.rand(3)
+    restored = torch.equal(before, torch.get_rng_state())
+    return {"kind": kinds["blocks.0.attn.attn_drop"], "p": drop.p, "forked": forked,
+            "default": default, "restored": restored, "is_forked": isinstance(drop, ForkedDropout)}  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_dropout_in_the_tp_region_differs_across_ranks_and_nowhere_else(runs_root):
+    r0, r1 = launch(_dropout_worker, 2, echo=False).results
+    assert r0["is_forked"] and r0["kind"] == "ForkedDropout" and r0["p"] == 0.5
+    assert not torch.equal(r0["forked"], r1["forked"])  # each rank's heads: their own masks
+    assert torch.equal(r0["default"], r1["default"])  # the default stream: the same everywhere
+    assert r0["restored"] and r1["restored"]  # fork() leaves the default stream where it was
+
+
 # --- refusals: before anything changes -------------------------------------------------------
 
 
@@ -169,6 +198,7 @@ def _refusal_worker(ctx):
         "vocab": {"blocks.0.mlp.up": "colwise", "embed": "vocab"},  # 64 rows over 3 ranks
         "type": {"blocks.0.ln1": "colwise"},
         "twice": {"blocks.*.mlp.up": "colwise", "blocks.0.mlp.up": "rowwise"},
+        "dropout": {"blocks.0.ln1": "dropout_tp"},
     }
     for key, plan in cases.items():
         model = GPT(GPTConfig(vocab=64, seq_len=6, d_model=36, n_heads=4, n_layers=2))
@@ -196,6 +226,7 @@ def test_bad_plans_are_refused_before_any_change(runs_root):
     assert "num_embeddings=64" in found["vocab"] and "t=3" in found["vocab"]
     assert "needs an nn.Linear" in found["type"]
     assert "named twice" in found["twice"]
+    assert "'dropout_tp' needs an nn.Dropout" in found["dropout"]
     assert all(found[k + "_unchanged"] for k in ("missing", "style", "heads", "vocab", "type"))
 
 

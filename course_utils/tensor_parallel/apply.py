@@ -28,6 +28,8 @@ Styles (``t`` = the group's size, activations ``(B, T, h)``):
                     parameters' gradients are all-reduced over the group
 ``sequence_input``  the module's input is split along the sequence (forward: keep this rank's
                     slice; backward: all-gather): where a sequence-parallel region begins
+``dropout_tp``      a dropout inside the tensor-parallel region (attention probabilities): its
+                    mask drawn from this rank's own stream (:class:`.random.ForkedDropout`)
 ==================  ============================================================================
 
 Taught in notebook 06; reused by notebook 07.
@@ -47,6 +49,7 @@ from .layers import (
     VocabParallelEmbedding,
     reduce_grad_over_tp,
 )
+from .random import ForkedDropout, RNGTracker
 
 STYLES = (
     "colwise",
@@ -58,6 +61,7 @@ STYLES = (
     "vocab_sp",
     "sequence",
     "sequence_input",
+    "dropout_tp",
 )
 
 
@@ -118,6 +122,9 @@ def _check(model: nn.Module, name: str, style: str, t: int) -> None:
                 f"{name}: its attention has {heads} heads, which do not split over t={t} ranks "
                 "(each rank must hold whole heads)"
             )
+    elif style == "dropout_tp":
+        if type(mod) not in (nn.Dropout, nn.Identity):
+            raise PlanError(f"{name} ({type(mod).__name__}): 'dropout_tp' needs an nn.Dropout")
     elif kind == "vocab":
         if type(mod) is not nn.Embedding:
             raise PlanError(f"{name} ({type(mod).__name__}): {style!r} needs an nn.Embedding")
@@ -140,12 +147,14 @@ def _split_input_hook(group):
     return hook
 
 
-def apply_tp(model: nn.Module, plan: dict[str, str], group=None) -> nn.Module:
+def apply_tp(model: nn.Module, plan: dict[str, str], group=None, seed: int = 0) -> nn.Module:
     """Shard ``model`` in place following ``plan`` over ``group`` (default: every rank); return it.
 
     Every name and dimension is checked before anything changes: a plan that names a module the
     model lacks, or a dimension the tensor-parallel degree does not divide, raises
     :class:`PlanError` naming the module and the numbers, and leaves the model as it was.
+    ``seed`` seeds the tensor-parallel random stream of ``dropout_tp`` modules
+    (:class:`.random.RNGTracker`: ``seed + 2718 + rank``).
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -156,8 +165,14 @@ def apply_tp(model: nn.Module, plan: dict[str, str], group=None) -> nn.Module:
     todo = _expand(model, plan)
     for name, style in todo:
         _check(model, name, style, t)
+    tracker = None
     for name, style in todo:
         mod = model.get_submodule(name)
+        if style == "dropout_tp":
+            device = next(model.parameters()).device
+            tracker = tracker or RNGTracker(seed, group, device)
+            _swap(model, name, ForkedDropout(getattr(mod, "p", 0.0), tracker))
+            continue
         sp = style.endswith("_sp")
         if style in ("colwise", "colwise_gather", "colwise_sp"):
             new = ColumnParallelLinear.from_linear(
@@ -186,12 +201,15 @@ def gpt_plan(sequence_parallel: bool = False) -> dict[str, str]:
     row-wise. MLP: ``up`` column-wise, ``down`` row-wise. The embedding by vocabulary, the head
     column-wise with its logits left sharded for :func:`vocab_parallel_cross_entropy`. With
     sequence parallelism, LayerNorms run on sequence shards and the all-reduces become
-    all-gathers and reduce-scatters (Korthikanti et al. 2022).
+    all-gathers and reduce-scatters (Korthikanti et al. 2022). Dropouts whose input differs from
+    rank to rank (the attention probabilities of each rank's heads; with sequence parallelism also
+    those on each rank's positions) draw their masks from the tensor-parallel random stream.
     """
     if not sequence_parallel:
         return {
             "embed": "vocab",
             "blocks.*.attn.qkv": "colwise",
+            "blocks.*.attn.attn_drop": "dropout_tp",  # each rank's heads: their own masks
             "blocks.*.attn.proj": "rowwise",
             "blocks.*.mlp.up": "colwise",
             "blocks.*.mlp.down": "rowwise",
@@ -202,10 +220,13 @@ def gpt_plan(sequence_parallel: bool = False) -> dict[str, str]:
         "blocks.0": "sequence_input",  # token + position embeddings are whole; split here
         "blocks.*.ln1": "sequence",
         "blocks.*.attn.qkv": "colwise_sp",
+        "blocks.*.attn.attn_drop": "dropout_tp",
         "blocks.*.attn.proj": "rowwise_sp",
+        "blocks.*.attn.drop": "dropout_tp",  # on this rank's positions: its own masks too
         "blocks.*.ln2": "sequence",
         "blocks.*.mlp.up": "colwise_sp",
         "blocks.*.mlp.down": "rowwise_sp",
+        "blocks.*.mlp.drop": "dropout_tp",
         "ln_f": "sequence",
         "head": "colwise_sp",
     }
