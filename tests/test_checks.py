@@ -23,7 +23,7 @@ from course_utils.checks.nb01 import _cases, _reference
 from course_utils.data_parallel import BucketedDDP, BucketedNoOverlapDDP
 from course_utils.measure import saved_activations
 from course_utils.pipeline.partition import balanced_split as reference_split
-from course_utils.pipeline.simulate import _order, simulate
+from course_utils.pipeline.simulate import schedule_order, simulate
 from course_utils.profiling import collectives
 from course_utils.profiling.analysis import classify_name, subtract, union
 from course_utils.zero.memory import count_model_states as package_count
@@ -998,13 +998,13 @@ def test_05_1_typical_mistakes():
     def one_backward_short(p, m):
         return [acts[:-1] for acts in one_f_one_b(p, m)]
 
-    fails(checks.check_one_f_one_b, gpipe, "warm-up forwards", ["('B', 0)", "[("])
+    fails(checks.check_one_f_one_b, gpipe, "forwards before its first backward", ["('B', 0)", "[("])
     fails(checks.check_one_f_one_b, one_backward_short, "exactly one F and one B", ["[("])
 
 
 def test_05_1_asking_the_simulator_is_refused():
-    def from_order(p, m):  # _order is imported in notebook 05, as in this module
-        return [[(a.kind, a.micro) for a in acts] for acts in _order("1f1b", p, m, 1)]
+    def from_order(p, m):  # schedule_order imported by name, as a notebook could
+        return [[(a.kind, a.micro) for a in acts] for acts in schedule_order("1f1b", p, m, 1)]
 
     def from_simulate(p, m):
         return [[(a.kind, a.micro) for a in acts] for acts in simulate("1f1b", p, m).order]
@@ -1014,8 +1014,16 @@ def test_05_1_asking_the_simulator_is_refused():
         fails(checks.check_one_f_one_b, answer, "asked the simulator")
     # restored afterwards, here and in the package
     simulate_module = importlib.import_module("course_utils.pipeline.simulate")
-    assert globals()["_order"] is simulate_module._order
+    assert globals()["schedule_order"] is simulate_module.schedule_order
     assert from_simulate(3, 5) == from_order(3, 5) == one_f_one_b(3, 5)
+
+
+def test_05_1_hints_do_not_state_the_rule():
+    def gpipe(p, m):
+        return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
+
+    message = fails(checks.check_one_f_one_b, gpipe, "forwards before its first backward")
+    assert "p - s - 1" not in message and "p-s-1" not in message
 
 
 # ---- 05.2 balanced stages ---------------------------------------------------------------------
@@ -1059,6 +1067,129 @@ def test_05_2_typical_mistakes():
     best = reference_split([8, 1, 1, 1, 1, 1, 1, 1, 1], 2)
     fails(checks.check_balanced_split, equal_layer_counts, "a split exists", [best])
     fails(checks.check_balanced_split, overlapping, "where the previous one ends")
+
+
+def test_05_2_the_package_split_is_refused():
+    from course_utils.pipeline import partition as partition_module
+
+    def asks_the_package(costs, p):
+        return reference_split(costs, p)
+
+    def through_partition(costs, p):  # partition() balances with the package's split inside
+        model = nn.Sequential(*[nn.Linear(1, 1) for _ in costs])
+        return partition_module.partition(model, p)
+
+    source = inspect.getsource(partition_module.balanced_split)
+    namespace = dict(vars(partition_module))
+    exec(compile(source.replace("def balanced_split", "def mine"), "<a cell>", "exec"), namespace)
+    pasted = namespace["mine"]
+
+    def via_pasted(costs, p):
+        return pasted(costs, p)
+
+    for answer in (reference_split, asks_the_package, through_partition, via_pasted, pasted):
+        fails(checks.check_balanced_split, answer, "the package's own balanced_split")
+    assert partition_module.balanced_split is reference_split  # restored
+
+
+# ---- 05.3 the mailbox -------------------------------------------------------------------------
+
+
+class Mailbox:  # the model answer, written apart from the package's
+    def __init__(self, group=None):
+        self.group = group
+        self.waiting = []  # (tensor, dst) not posted yet
+        self.posted = []  # work handles of sends posted without a receive
+
+    def send(self, tensor, dst):
+        self.waiting.append((tensor.detach().contiguous(), dst))
+
+    def _ops(self):
+        ops = [dist.P2POp(dist.isend, t, dst, self.group) for t, dst in self.waiting]
+        self.waiting = []
+        return ops
+
+    def recv(self, shape, dtype, device, src):
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        ops = self._ops() + [dist.P2POp(dist.irecv, buf, src, self.group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return buf
+
+    def flush(self):
+        ops = self._ops()
+        if ops:
+            self.posted += dist.batch_isend_irecv(ops)
+
+    def wait_all(self):
+        self.flush()
+        for work in self.posted:
+            work.wait()
+        self.posted = []
+
+
+class SendsAtOnce(Mailbox):  # every send leaves immediately, on its own
+    def send(self, tensor, dst):
+        self.posted.append(dist.isend(tensor.detach().contiguous(), dst, self.group))
+
+
+class SendsBeforeTheReceive(Mailbox):  # the waiting sends in a batch of their own, then the receive
+    def recv(self, shape, dtype, device, src):
+        self.flush()
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, src, self.group)]):
+            work.wait()
+        return buf
+
+
+class ForgetsWhatWaits(Mailbox):  # wait_all waits for what was posted, never posts the rest
+    def wait_all(self):
+        for work in self.posted:
+            work.wait()
+        self.posted = []
+
+
+class DelegatingMailbox:  # the package's mailbox inside
+    def __init__(self, group=None):
+        from course_utils.pipeline.p2p import Mailbox as PackageMailbox
+
+        self.inner = PackageMailbox(group)
+
+    def send(self, tensor, dst):
+        self.inner.send(tensor, dst)
+
+    def recv(self, shape, dtype, device, src):
+        return self.inner.recv(shape, dtype, device, src)
+
+    def flush(self):
+        self.inner.flush()
+
+    def wait_all(self):
+        self.inner.wait_all()
+
+
+@pytest.mark.multiprocess
+def test_05_3_mailbox(runs_root, capsys):
+    checks.check_mailbox(Mailbox)
+    assert "✓ exercise 05.3" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_05_3_typical_mistakes(runs_root):
+    fails(checks.check_mailbox, SendsAtOnce, "on its own")
+    fails(checks.check_mailbox, SendsBeforeTheReceive, "in the receive's own batch")
+    fails(checks.check_mailbox, ForgetsWhatWaits, "never posted")
+
+
+@pytest.mark.multiprocess
+def test_05_3_the_package_mailbox_is_refused(runs_root):
+    from course_utils.pipeline import p2p
+
+    class Subclass(p2p.Mailbox):
+        pass
+
+    for answer in (p2p.Mailbox, Subclass, DelegatingMailbox):
+        fails(checks.check_mailbox, answer, "the package's own Mailbox")
 
 
 # ---- 08.1 the padding arithmetic, 08.2 stage 1's step -----------------------------------------
@@ -1194,7 +1325,396 @@ def test_08_2_typical_mistakes(runs_root):
     fails(checks.check_zero1_step, zero1_no_gather, "all-gather every rank's shard")
 
 
+# ---- 08.3 stage 3 -----------------------------------------------------------------------------
+
+
+class Zero3:  # the model answer (the notebook's, with the exercise's methods filled in)
+    def __init__(self, model, optimizer_class, options):
+        from course_utils.zero.flat import Bucket
+
+        self.n, r = dist.get_world_size(), dist.get_rank()
+        self.model, self.units = model, []
+        layers = [
+            m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+        for layer in layers:
+            params = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+            bucket = Bucket.of(params, self.n)
+            flat = bucket.flatten([p.detach() for p in params])
+            lo, hi = bucket.shard_range(r)
+            unit = {"bucket": bucket, "flat": flat, "shard": nn.Parameter(flat[lo:hi].clone())}
+            unit["arrived"] = 0
+            for p, view in zip(params, bucket.views(flat)):
+                p.data = view
+            self.free(unit)
+            self.units.append(unit)
+            layer.register_forward_pre_hook(lambda m, args, u=unit: self.gather(u))
+            layer.register_forward_hook(lambda m, args, out, u=unit: self.after_forward(u, out))
+            for p in params:
+                p.register_post_accumulate_grad_hook(lambda p, u=unit: self.arrived(u))
+        self.optimizer = optimizer_class([u["shard"] for u in self.units], **options)
+
+    def gather(self, u):
+        flat = u["flat"]
+        if flat.untyped_storage().nbytes() == 0:
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            dist.all_gather_into_tensor(flat, u["shard"].detach())
+
+    def free(self, u):
+        u["flat"].untyped_storage().resize_(0)
+
+    def after_forward(self, u, out):
+        self.free(u)
+        if out.requires_grad:
+            out.register_hook(lambda grad: self.gather(u))
+
+    def arrived(self, u):
+        u["arrived"] += 1
+        bucket = u["bucket"]
+        if u["arrived"] == len(bucket.params):
+            grads = bucket.flatten([p.grad for p in bucket.params])
+            out = torch.empty(bucket.shard_numel, dtype=grads.dtype, device=grads.device)
+            dist.reduce_scatter_tensor(out, grads)
+            u["shard"].grad = out / self.n
+            for p in bucket.params:
+                p.grad = None
+            u["arrived"] = 0
+            self.free(u)
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def full_parameters(self):
+        out = {}
+        for u in self.units:
+            self.gather(u)
+            for p in u["bucket"].params:
+                out[id(p)] = p.detach().clone()
+            self.free(u)
+        return {name: out.get(id(p), p.detach()) for name, p in self.model.named_parameters()}
+
+
+class Zero3KeepsEverything(Zero3):  # gathers once, never frees after forward or backward
+    def after_forward(self, u, out):
+        pass
+
+    def arrived(self, u):
+        u["arrived"] += 1
+        bucket = u["bucket"]
+        if u["arrived"] == len(bucket.params):
+            grads = bucket.flatten([p.grad for p in bucket.params])
+            out = torch.empty(bucket.shard_numel, dtype=grads.dtype, device=grads.device)
+            dist.reduce_scatter_tensor(out, grads)
+            u["shard"].grad = out / self.n
+            for p in bucket.params:
+                p.grad = None
+            u["arrived"] = 0
+
+
+class Zero3AllReduce(Zero3):  # all-reduces the full gradients, then keeps its shard
+    def arrived(self, u):
+        u["arrived"] += 1
+        bucket = u["bucket"]
+        if u["arrived"] == len(bucket.params):
+            grads = bucket.flatten([p.grad for p in bucket.params])
+            dist.all_reduce(grads)
+            lo, hi = bucket.shard_range(dist.get_rank())
+            u["shard"].grad = grads[lo:hi] / self.n
+            for p in bucket.params:
+                p.grad = None
+            u["arrived"] = 0
+            self.free(u)
+
+
+class Zero3Sum(Zero3):  # the sum of the gradients, not the mean
+    def arrived(self, u):
+        u["arrived"] += 1
+        bucket = u["bucket"]
+        if u["arrived"] == len(bucket.params):
+            grads = bucket.flatten([p.grad for p in bucket.params])
+            out = torch.empty(bucket.shard_numel, dtype=grads.dtype, device=grads.device)
+            dist.reduce_scatter_tensor(out, grads)
+            u["shard"].grad = out
+            for p in bucket.params:
+                p.grad = None
+            u["arrived"] = 0
+            self.free(u)
+
+
+class Zero3FromThePackage:
+    def __init__(self, model, optimizer_class, options):
+        from course_utils.zero import ShardedModel
+
+        self.sharded = ShardedModel(model)
+        self.optimizer = optimizer_class(self.sharded.parameters(), **options)
+
+    def step(self):
+        self.sharded.finish_gradient_synchronization()
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def full_parameters(self):
+        return self.sharded.full_parameters()
+
+
+@pytest.mark.multiprocess
+def test_08_3_zero3(runs_root, capsys):
+    checks.check_zero3(Zero3)
+    assert "✓ exercise 08.3" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_08_3_typical_mistakes_and_bypasses(runs_root):
+    fails(checks.check_zero3, Zero3KeepsEverything, "free each unit")
+    fails(checks.check_zero3, Zero3AllReduce, "needs no all-reduce")
+    fails(checks.check_zero3, Zero3Sum, "divided by n")
+    fails(checks.check_zero3, Zero3FromThePackage, "package's own stage 3")
+
+
 # ---- the checks' own references and case lists -----------------------------------------------
+
+
+# ---- 06.1 f and g, 06.2 the head split, 06.3 the vocabulary-parallel loss ----------------------
+
+
+class CopyToTP(torch.autograd.Function):  # the model answers, written apart from the package's
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad
+
+
+class ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ReduceInPlace(torch.autograd.Function):  # forgets the copy
+    @staticmethod
+    def forward(ctx, x):
+        dist.all_reduce(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ReduceBothWays(torch.autograd.Function):  # all-reduces the gradient too
+    @staticmethod
+    def forward(ctx, x):
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class CopyThatReduces(torch.autograd.Function):  # f with g's forward
+    @staticmethod
+    def forward(ctx, x):
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+@pytest.mark.multiprocess
+def test_06_1_f_and_g(runs_root, capsys):
+    checks.check_f_and_g(CopyToTP, ReduceFromTP)
+    assert "✓ exercise 06.1" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_06_1_typical_mistakes_and_bypasses(runs_root):
+    from course_utils.tensor_parallel import comm
+
+    fails(functools.partial(checks.check_f_and_g, CopyToTP), ReduceInPlace, "in place")
+    fails(functools.partial(checks.check_f_and_g, CopyToTP), ReduceBothWays, "g's backward")
+    fails(lambda c: checks.check_f_and_g(c, ReduceFromTP), CopyThatReduces, "f's forward")
+    fails(lambda c: checks.check_f_and_g(c, comm._ReduceFromTP), CopyToTP, "package's own f / g")
+
+    class Wrapping(torch.autograd.Function):  # the package's f called inside
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return comm._CopyToTP.backward(ctx, grad)[0]
+
+    fails(lambda c: checks.check_f_and_g(c, ReduceFromTP), Wrapping, "package's own f / g")
+
+
+def qkv_shard(wq, wk, wv, bq, bk, bv, rank, t, head_dim):
+    h = wq.shape[1]
+    a = wq.shape[0] // head_dim
+    w = torch.stack([m.view(a, head_dim, h) for m in (wq, wk, wv)], dim=1)
+    b = torch.stack([v.view(a, head_dim) for v in (bq, bk, bv)], dim=1)
+    mine = slice(rank * a // t, (rank + 1) * a // t)
+    return w[mine].reshape(-1, h), b[mine].reshape(-1)
+
+
+def test_06_2_qkv_shard_and_mistakes(capsys):
+    checks.check_qkv_shard(qkv_shard)
+    assert "✓ exercise 06.2" in capsys.readouterr().out
+
+    def gpt2_layout(wq, wk, wv, bq, bk, bv, rank, t, head_dim):  # [Q | K | V], cut contiguously
+        w, b = torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv])
+        n = w.shape[0] // t
+        return w[rank * n : (rank + 1) * n], b[rank * n : (rank + 1) * n]
+
+    def q_then_k_then_v(wq, wk, wv, bq, bk, bv, rank, t, head_dim):  # the right rows, not by head
+        rows = slice(rank * wq.shape[0] // t, (rank + 1) * wq.shape[0] // t)
+        return torch.cat([wq[rows], wk[rows], wv[rows]]), torch.cat([bq[rows], bk[rows], bv[rows]])
+
+    fails(checks.check_qkv_shard, gpt2_layout, "heads")
+    fails(checks.check_qkv_shard, q_then_k_then_v, "wrong order")
+
+
+class VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target):  # (N, V/t), (N,)
+        start = dist.get_rank() * logits.shape[-1]
+        top = logits.max(-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        shifted = logits - top[:, None]
+        e = shifted.exp()
+        mine = (target >= start) & (target < start + logits.shape[-1])
+        idx = (target - start).clamp(0, logits.shape[-1] - 1)
+        picked = shifted.gather(-1, idx[:, None])[:, 0] * mine
+        both = torch.stack([e.sum(-1), picked])
+        dist.all_reduce(both)
+        ctx.save_for_backward(e / both[0][:, None], idx, mine)
+        return both[0].log() - both[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, idx, mine = ctx.saved_tensors
+        g = p.clone()
+        g[torch.arange(len(idx)), idx] -= mine.to(g.dtype)
+        return g * grad[:, None], None
+
+
+class GathersTheLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target):
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, logits)
+        return nn.functional.cross_entropy(torch.cat(parts, -1), target, reduction="none")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise AssertionError("not reached")
+
+
+class NoMaxShift(VocabParallelCE):  # overflows in float32 with large logits
+    @staticmethod
+    def forward(ctx, logits, target):
+        start = dist.get_rank() * logits.shape[-1]
+        e = logits.exp()
+        mine = (target >= start) & (target < start + logits.shape[-1])
+        idx = (target - start).clamp(0, logits.shape[-1] - 1)
+        picked = logits.gather(-1, idx[:, None])[:, 0] * mine
+        both = torch.stack([e.sum(-1), picked])
+        dist.all_reduce(both)
+        ctx.save_for_backward(e / both[0][:, None], idx, mine)
+        return both[0].log() - both[1]
+
+
+class EveryRankItsTarget(VocabParallelCE):  # the target's logit taken on every rank
+    @staticmethod
+    def forward(ctx, logits, target):
+        start = dist.get_rank() * logits.shape[-1]
+        top = logits.max(-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        shifted = logits - top[:, None]
+        e = shifted.exp()
+        idx = (target - start).clamp(0, logits.shape[-1] - 1)
+        picked = shifted.gather(-1, idx[:, None])[:, 0]
+        both = torch.stack([e.sum(-1), picked])
+        dist.all_reduce(both)
+        ctx.save_for_backward(e / both[0][:, None], idx, torch.ones_like(target, dtype=torch.bool))
+        return both[0].log() - both[1]
+
+
+class ReducesInBackward(VocabParallelCE):
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return VocabParallelCE.backward(ctx, grad / dist.get_world_size())
+
+
+@pytest.mark.multiprocess
+def test_06_3_vocab_parallel_cross_entropy(runs_root, capsys):
+    checks.check_vocab_parallel_cross_entropy(VocabParallelCE)
+    assert "✓ exercise 06.3" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_06_3_typical_mistakes_and_bypasses(runs_root):
+    from course_utils.tensor_parallel import loss
+
+    check = checks.check_vocab_parallel_cross_entropy
+    fails(check, GathersTheLogits, "all-reduces only")
+    fails(check, NoMaxShift, "overflows")
+    fails(check, EveryRankItsTarget, "one rank only")
+    fails(check, ReducesInBackward, "backward communicated")
+    fails(check, loss._VocabParallelCrossEntropy, "package's own")
+
+    class ThroughThePackage(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, target):
+            return loss.vocab_parallel_cross_entropy(logits[:, None], target[:, None]).expand(
+                len(target)
+            )
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, None
+
+    fails(check, ThroughThePackage, "package's own")
+
+    class LossParallel(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, target):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import DTensor, Shard
+
+            mesh = init_device_mesh(logits.device.type, (dist.get_world_size(),))
+            d = DTensor.from_local(logits, mesh, [Shard(1)])
+            return nn.functional.cross_entropy(d, target, reduction="none").to_local()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, None
+
+    fails(check, LossParallel, "loss_parallel")
 
 
 def _textbook_attention(x, wq, wk, wv, bq, bk, bv, wo, bo, a):

@@ -13,10 +13,11 @@ Exercises, by notebook (``python -m course_utils copies --kind student`` removes
 - 03: :func:`check_ring_all_reduce`, :func:`check_overlapped_ddp`
 - 03b: :func:`check_sync_batch_stats`, :func:`check_train_with_uneven_data`
 - 04: :func:`check_exposed_communication`, :func:`check_bus_bandwidth`
-- 05: :func:`check_one_f_one_b`, :func:`check_balanced_split`
-- 06: :func:`check_row_parallel_linear`, :func:`check_qkv_shard`
+- 05: :func:`check_one_f_one_b`, :func:`check_balanced_split`, :func:`check_mailbox`
+- 06: :func:`check_f_and_g`, :func:`check_qkv_shard`, :func:`check_vocab_parallel_cross_entropy`
+  (:func:`check_row_parallel_linear`: the row-parallel forward, an earlier 06.1)
 - 07: :func:`check_coords`, :func:`check_links`
-- 08: :func:`check_shard_bounds`, :func:`check_zero1_step`
+- 08: :func:`check_shard_bounds`, :func:`check_zero1_step`, :func:`check_zero3`
 """
 
 from .common import ExerciseError
@@ -25,10 +26,11 @@ from .nb02 import check_data_parallel_step, check_local_loss_step
 from .nb03 import check_overlapped_ddp, check_ring_all_reduce
 from .nb03b import check_sync_batch_stats, check_train_with_uneven_data
 from .nb04 import check_bus_bandwidth, check_exposed_communication
-from .nb05 import check_balanced_split, check_one_f_one_b
+from .nb05 import check_balanced_split, check_mailbox, check_one_f_one_b
 from .nb06 import check_qkv_shard, check_row_parallel_linear
+from .nb06_comm import check_f_and_g, check_vocab_parallel_cross_entropy
 from .nb07 import check_coords, check_links
-from .nb08 import check_shard_bounds, check_zero1_step
+from .nb08 import check_shard_bounds, check_zero1_step, check_zero3
 
 __all__ = [
     "ExerciseError",
@@ -38,7 +40,9 @@ __all__ = [
     "check_coords",
     "check_data_parallel_step",
     "check_exposed_communication",
+    "check_f_and_g",
     "check_links",
+    "check_mailbox",
     "check_local_loss_step",
     "check_mlp_activation_bytes",
     "check_one_f_one_b",
@@ -50,5 +54,7 @@ __all__ = [
     "check_sync_batch_stats",
     "check_state_bytes",
     "check_train_with_uneven_data",
+    "check_vocab_parallel_cross_entropy",
     "check_zero1_step",
+    "check_zero3",
 ]

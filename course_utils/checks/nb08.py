@@ -1,4 +1,5 @@
-"""Checks for notebook 08 (ZeRO): the padded shard of a flat buffer, and stage 1's step."""
+"""Checks for notebook 08 (ZeRO): the padded shard of a flat buffer, stage 1's step, and stage 3's
+gathers, frees and reduce-scatters."""
 
 from __future__ import annotations
 
@@ -120,4 +121,138 @@ def check_zero1_step(zero1_step) -> None:
            "reduce-scatter and one all-gather per step")  # fmt: skip
 
 
-__all__ = ["ExerciseError", "check_shard_bounds", "check_zero1_step"]
+# ---- 08.3 stage 3: gather before use, free after, reduce-scatter after backward ----------------
+
+PACKAGE_STAGE3 = (
+    "that is the package's own stage 3 (course_utils.zero.ShardedModel) or torch's FSDP, which "
+    "the check compares with: write the gathers, frees and reduce-scatters yourself"
+)
+
+
+def _held_bytes(model) -> int:
+    """Bytes of trainable parameters that hold their full data right now."""
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad and p.numel() and p.untyped_storage().nbytes():
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _no_fsdp():
+    import contextlib
+
+    from torch.distributed import fsdp
+
+    @contextlib.contextmanager
+    def guard():
+        saved = fsdp.fully_shard, fsdp.FullyShardedDataParallel.__init__
+
+        def refuse(*args, **kwargs):
+            fail("08.3", PACKAGE_STAGE3)
+
+        fsdp.fully_shard, fsdp.FullyShardedDataParallel.__init__ = refuse, refuse
+        try:
+            yield
+        finally:
+            fsdp.fully_shard, fsdp.FullyShardedDataParallel.__init__ = saved
+
+    return guard()
+
+
+def _stage3_worker(ctx, zero3_cls):
+    import contextlib
+
+    from ..zero import run as zero_run
+    from ..zero import stage3
+    from .common import refuse_calls
+
+    n, r = ctx.world_size, ctx.rank
+    guard = contextlib.ExitStack()
+    guard.enter_context(refuse_calls("08.3", [stage3.ShardedModel, stage3.Unit], PACKAGE_STAGE3))
+    guard.enter_context(_no_fsdp())
+    with guard:
+        # memory and bytes, on the MLP: one unit gathered at a time, 3Ψ per step
+        torch.manual_seed(0)
+        model = ToyMLP().to(ctx.device, torch.float64)
+        units = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+        unit_bytes = [sum(p.numel() * 8 for p in m.parameters(recurse=False)) for m in units]
+        z = zero3_cls(model, torch.optim.SGD, {"lr": 0.1})
+        peak = [0]
+
+        def probe(*_):
+            peak[0] = max(peak[0], _held_bytes(model))
+
+        def probe_in_backward(module, args, out):  # runs when the output's gradient arrives
+            if out.requires_grad:
+                out.register_hook(lambda grad: probe())
+
+        for m in units:  # registered after the student's hooks: they run after them
+            m.register_forward_pre_hook(lambda *a: probe())
+            m.register_forward_hook(probe_in_backward)
+        if _held_bytes(model):
+            fail("08.3", f"rank {r} holds {_held_bytes(model):,} bytes of full parameters right "
+                 "after building the class: between uses a rank keeps its shards only")  # fmt: skip
+        x = torch.randn(8, 16, dtype=torch.float64, device=ctx.device)
+        y = torch.randint(4, (8,), device=ctx.device)
+        with CollectiveCounter() as comm:
+            nn.functional.cross_entropy(model(x), y).backward()
+            z.step()
+        slack = 8 * n * len(units)  # padding
+        if peak[0] > max(unit_bytes) + slack:
+            fail("08.3", f"rank {r} held {peak[0]:,} bytes of full parameters at once, more than "
+                 f"the largest unit ({max(unit_bytes):,}): free each unit right after its forward, "
+                 "and after its backward")  # fmt: skip
+        if _held_bytes(model):
+            fail("08.3", f"after the step rank {r} still holds {_held_bytes(model):,} bytes of "
+                 "full parameters: free each unit once its gradients are reduce-scattered")  # fmt: skip
+        psi_bytes = sum(unit_bytes)
+        got = {k: comm.bytes.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce")}
+        if got["all_reduce"]:
+            fail("08.3", "stage 3 needs no all-reduce: reduce-scatter each unit's gradients")
+        if not psi_bytes <= got["reduce_scatter"] <= psi_bytes + slack:
+            fail("08.3", f"rank {r} reduce-scattered {got['reduce_scatter']:,} bytes in a step; each "
+                 f"unit's gradients once ({psi_bytes:,} bytes, Ψ, plus padding)")  # fmt: skip
+        if not 2 * psi_bytes <= got["all_gather"] <= 2 * (psi_bytes + slack):
+            fail("08.3", f"rank {r} all-gathered {got['all_gather']:,} bytes in a step; each unit "
+                 f"once before its forward and once before its backward ({2 * psi_bytes:,}, 2Ψ)")  # fmt: skip
+        for model_name, opt in (("mlp", "adam"), ("tied", "adam"), ("frozen", "sgd")):
+            built = []
+
+            def method(model, optimizer_class, options, built=built):
+                z = zero3_cls(model, optimizer_class, options)
+                built.append(model)
+                return model, z, z.full_parameters
+
+            out = zero_run.parity_worker(ctx, method, model=model_name, optimizer=opt, steps=3,
+                                         global_batch=12 * n)  # fmt: skip
+            worst = max(out["diffs"])
+            if not worst < 1e-12:
+                if _held_bytes(built[0]):
+                    hint = ("units were still gathered after the step, so the next forward found "
+                            "them present and ran on stale parameters: free each unit after its "
+                            "forward and after its backward")  # fmt: skip
+                else:
+                    hint = ("each unit's gradient shard is the reduce-scatter of its full "
+                            "gradients, divided by n; the optimizer steps the shards")  # fmt: skip
+                fail("08.3", f"{model_name} model, {opt}, {n} ranks: rank {r}'s parameters differ "
+                     f"from one process by {worst:.2g} after 3 steps: {hint}")  # fmt: skip
+    dist.barrier()
+    return True
+
+
+def check_zero3(zero3_cls) -> None:
+    """Exercise 08.3: a ``Zero3(model, optimizer_class, options)`` whose units are gathered before
+    their forward and their backward, freed after each, and whose gradients are reduce-scattered
+    after their backward: equal to one process (tied and frozen layers included), one unit held
+    at a time, 3Ψ per step."""
+    from ..zero import stage3
+    from .common import refuse_copies
+
+    refuse_copies("08.3", zero3_cls, (stage3.ShardedModel, stage3.Unit), PACKAGE_STAGE3)
+    for n in (2, 3):
+        launch_check("08.3", _stage3_worker, n, zero3_cls=zero3_cls, timeout=120)
+    passed("08.3", "equal to one process on 2 and 3 ranks (tied and frozen layers), one unit "
+           "gathered at a time, Ψ reduce-scattered and 2Ψ all-gathered per step")  # fmt: skip
+
+
+__all__ = ["ExerciseError", "check_shard_bounds", "check_zero1_step", "check_zero3"]
