@@ -1479,6 +1479,27 @@ def test_08_3_typical_mistakes_and_bypasses(runs_root):
 # ---- the checks' own references and case lists -----------------------------------------------
 
 
+# ---- the row-parallel forward (06.1 before f and g replaced it; still public) ---------------
+
+
+def row_parallel_linear(x_shard, weight_shard, bias):
+    out = torch.nn.functional.linear(x_shard, weight_shard)
+    dist.all_reduce(out)
+    return out if bias is None else out + bias
+
+
+def row_bias_on_every_rank(x_shard, weight_shard, bias):
+    out = torch.nn.functional.linear(x_shard, weight_shard, bias)
+    dist.all_reduce(out)
+    return out
+
+
+def test_check_row_parallel_linear(capsys):
+    checks.check_row_parallel_linear(row_parallel_linear)
+    assert "✓ exercise 06 (row-parallel forward)" in capsys.readouterr().out
+    fails(checks.check_row_parallel_linear, row_bias_on_every_rank, "the bias arrived t times")
+
+
 # ---- 06.1 f and g, 06.2 the head split, 06.3 the vocabulary-parallel loss ----------------------
 
 

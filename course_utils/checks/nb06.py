@@ -26,12 +26,12 @@ def _row_worker(ctx, row_parallel_linear, cases):
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             raise ExerciseError(
-                f"exercise 06.1: with {where}, return the whole output {tuple(want.shape)} on every "
+                f"row_parallel_linear (a former exercise 06.1): with {where}, return the whole output {tuple(want.shape)} on every "
                 f"rank; got {shape}"
             )
         if comm.counts.get("all_reduce", 0) != 1 or sum(comm.counts.values()) != 1:
             raise ExerciseError(
-                f"exercise 06.1: with {where}, rank {r} issued {dict(comm.counts) or 'no collective'}; "
+                f"row_parallel_linear (a former exercise 06.1): with {where}, rank {r} issued {dict(comm.counts) or 'no collective'}; "
                 "a row-parallel layer needs exactly one all-reduce of the partial sums"
             )
         err = float((got - want).abs().max())
@@ -44,7 +44,7 @@ def _row_worker(ctx, row_parallel_linear, cases):
             else:
                 hint = "each rank multiplies its slice of x by its slice of the weight's columns"
             raise ExerciseError(
-                f"exercise 06.1: with {where}, rank {r}'s output differs from one process by "
+                f"row_parallel_linear (a former exercise 06.1): with {where}, rank {r}'s output differs from one process by "
                 f"{err:.2g}: {hint}."
             )
     dist.barrier()
@@ -52,13 +52,21 @@ def _row_worker(ctx, row_parallel_linear, cases):
 
 
 def check_row_parallel_linear(row_parallel_linear) -> None:
-    """Exercise 06.1: ``row_parallel_linear(x_shard, weight_shard, bias)`` on every rank."""
+    """The row-parallel forward (exercise 06.1 before f and g replaced it): ``row_parallel_linear(x_shard, weight_shard, bias)`` on every rank."""
     cases = [(2, 3, 12, 5, True), (1, 4, 24, 7, True), (3, 2, 6, 6, False)]
     for t in (2, 3):
         launch_check(
-            "06.1", _row_worker, t, row_parallel_linear=row_parallel_linear, cases=cases, timeout=90
+            "06 (row-parallel forward)",
+            _row_worker,
+            t,
+            row_parallel_linear=row_parallel_linear,
+            cases=cases,
+            timeout=90,
         )
-    passed("06.1", "equal to one process on 2 and 3 ranks, with one all-reduce and the bias once")
+    passed(
+        "06 (row-parallel forward)",
+        "equal to one process on 2 and 3 ranks, with one all-reduce and the bias once",
+    )
 
 
 def _reference_shard(wq, wk, wv, bq, bk, bv, rank, t, head_dim):

@@ -25,14 +25,23 @@ from .simulate import Action, Timed
 LABEL = re.compile(r"^pipeline:([FB])(\d+)$")
 
 
-def stage_events(trace: Trace, step_index: int = -1) -> list[Timed]:
-    """The F/B actions of one recorded step (default: the last) on this trace's stage, times in ms.
+def step_origin(traces: dict[int, Trace], step_index: int = -1) -> float:
+    """The earliest start of recorded step ``step_index`` over all ranks, on their common clock
+    (µs): pass it to :func:`stage_events` to draw every stage on one time axis."""
+    return min(t.steps[step_index][1] + t.offset for t in traces.values())
+
+
+def stage_events(trace: Trace, step_index: int = -1, origin_us: float | None = None) -> list[Timed]:
+    """The F/B actions of one recorded step (default: the last) on this trace's stage, times in ms
+    from ``origin_us`` on the ranks' common clock (:func:`step_origin`), or from this rank's own
+    start of the step when it is not given (then the stages' axes do not line up).
 
     A labelled action starts with a blocking receive; the time spent waiting there is not work, so
     each action's start is moved to the end of its receive: the runtime's ``pipeline:recv`` label
     (which on a GPU ends when the data has arrived), else a ``c10d::recv`` or gloo event inside it.
     """
     _, s0, s1 = trace.steps[step_index]
+    zero = s0 if origin_us is None else origin_us - trace.offset  # on this trace's clock
     main = trace.lane == trace.main_lane
     out = []
     recv_ids = [
@@ -56,8 +65,8 @@ def stage_events(trace: Trace, step_index: int = -1) -> list[Timed]:
                 Timed(
                     trace.rank,
                     Action(m.group(1), int(m.group(2)), trace.rank),
-                    (start - s0) / 1e3,
-                    (end - s0) / 1e3,
+                    (start - zero) / 1e3,
+                    (end - zero) / 1e3,
                 )
             )
     return sorted(out, key=lambda t: t.start)

@@ -8,12 +8,15 @@ every rank alike, as data-parallel code does, and rank 1's heads get exactly ran
 LayerNorm without sequence parallelism) every rank holds the *same* activation, and the masks must
 be the same on every rank, or the copies that are supposed to be identical drift apart.
 
-Megatron-LM keeps two streams: the default one, seeded alike on every rank, and a
+Megatron-LM keeps two streams: the default one, seeded alike on the ranks of a tensor-parallel
+group (it adds ``100 ×`` the pipeline rank to the seed), and a
 tensor-parallel one seeded with ``seed + 2718 + tp_rank``, which ``fork()`` swaps in for the
 operations inside the region (the attention probabilities' dropout). :class:`ForkedDropout` is
 that dropout, and ``apply_tp``'s ``dropout_tp`` style puts it in place of a model's module.
 torch's DTensor does it differently on CUDA: a sharded tensor's random op advances the Philox
-counter by each shard's offset, so the shards together draw exactly one device's mask.
+counter by each shard's offset, so the shards together draw exactly one device's mask; but torch's
+tensor-parallel styles hand plain local tensors to the modules between them, whose random ops draw
+from the ordinary stream.
 
     tracker = RNGTracker(seed=0)                  # inside a rank; group=None: every rank
     with tracker.fork():
