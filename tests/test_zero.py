@@ -161,36 +161,49 @@ def test_refusals_say_what_to_do():
 
 
 def test_decide_follows_the_lectures_rules():
+    """decide() weighs memory (the planner's states and Korthikanti's activations) and time."""
+    from dataclasses import replace
+
+    from course_utils.comm_model import AlphaBeta
+    from course_utils.plan import A100_80GB, GPT3_175B, Transformer
     from course_utils.zero.decide import decide, table
 
-    assert decide(1.3e9, 8, 80e9, activation_bytes=10e9)["advice"][0].endswith("DDP")
-    r = decide(13e9, 8, 80e9, activation_bytes=10e9)
-    assert [row["fits"] for row in r["rows"]] == [False, False, True, True]
-    assert r["advice"][0].startswith("ZeRO-2")
-    assert decide(70e9, 64, 80e9, activation_bytes=10e9)["advice"][0].startswith("ZeRO-3")
-    assert "at least 39 GPUs" in decide(175e9, 8, 80e9)["advice"][0]  # 2.8 TB / 72 GB
-    big_layer = decide(40e9, 64, 40e9, activation_bytes=5e9, largest_layer_params=9e9)
-    assert "tensor parallelism" in big_layer["advice"][0]
-    slow = decide(7.5e9, 64, 80e9, fast_internode=False)
-    assert any("pipeline" in a for a in slow["advice"])
+    small = Transformer(24, 2048, 16, 2048, 51200, 512, name="1.3B")
+    r = decide(small, A100_80GB, 8)
+    assert all(row["fits"] for row in r["rows"])  # it fits on one GPU: DDP or ZeRO, by time
+    pick = min(r["rows"], key=lambda row: (row["step_s"], row["stage"]))
+    assert r["advice"][0].startswith(pick["name"] + ": the fastest data-parallel stage that fits")
+    mid = decide(Transformer(40, 5120, 40, 2048, 51200, 512, name="13B"), A100_80GB, 8)
+    assert [row["fits"] for row in mid["rows"]][:2] == [False, False]  # 210 GB replicated states
+    assert mid["advice"][0].startswith(("ZeRO-2", "ZeRO-3"))
+    # nothing fits on 8 GPUs: 175 B parameters are 350 GB in 16 bits, ZeRO-Offload cannot help
+    none = decide(GPT3_175B, A100_80GB, 8)
+    assert not any(row["fits"] for row in none["rows"]) and not none["overall"].fits
+    assert "ZeRO-Infinity" in none["advice"][0] and "cannot help" in none["advice"][0]
+    # one layer too large to gather (4 layers of 20 B parameters): tensor parallelism
+    wide = Transformer(4, 40960, 320, 2048, 51200, 64, name="wide")
+    w = decide(wide, A100_80GB, 64)
+    assert not any(row["fits"] for row in w["rows"])
+    assert "tensor parallelism inside a node" in w["advice"][0] and w["overall"].choice.tp > 1
+    # no fast link inside the node (PCIe): pipeline parallelism, not TP
+    pcie = replace(A100_80GB, intra=AlphaBeta(10e-6, 25e9), name="PCIe")
+    p = decide(wide, pcie, 64)
+    assert "pipeline parallelism" in p["advice"][0] and "PCIe only" in p["advice"][0]
     assert "fits in 72 GB?" in table(r)
-    with pytest.raises(ValueError, match="positive"):
-        decide(1e9, 0, 80e9)
+    with pytest.raises(ValueError, match="does not split over 7"):
+        decide(small, A100_80GB, 7)
 
 
-def test_decide_when_zero3s_gathered_layer_tips_the_memory():
-    """40 B parameters on 64 GPUs of 80 GB (72 GB usable): ZeRO-2 needs 2Ψ + 14Ψ/64 = 88.75 GB,
-    too much; ZeRO-3's states are 16Ψ/64 = 10 GB and fit alone, but the gathered layer (4 bytes a
-    parameter: 16-bit weights and gradients) of 16 B parameters adds 64 GB. Nothing fits; the
-    shards then need 640 GB / (72 - 64) GB = 80 GPUs."""
+def test_decide_counts_zero3s_gathered_layer():
+    """ZeRO-3's states: 16Ψ/n plus one layer gathered whole with its gradient (2 + 2 bytes per
+    parameter of the layer), which can tip the memory however many GPUs share the rest."""
+    from course_utils.plan import A100_80GB, Transformer
     from course_utils.zero.decide import decide
 
-    alone = decide(40e9, 64, 80e9)
-    assert [row["fits"] for row in alone["rows"]] == [False, False, False, True]
-    assert alone["rows"][3]["bytes"] == 10e9
-    r = decide(40e9, 64, 80e9, largest_layer_params=16e9)
-    assert r["rows"][3]["bytes"] == 10e9 + 64e9 and not any(row["fits"] for row in r["rows"])
-    assert r["advice"][0].startswith("the model states (640 GB) do not fit in 64 GPUs beside")
-    assert "the gathered layer: at least 80 GPUs" in r["advice"][0]
-    edge = decide(40e9, 64, 80e9, largest_layer_params=15.5e9)  # 10 + 62 = 72 GB: fits exactly
-    assert edge["rows"][3]["fits"] and edge["advice"][0].startswith("ZeRO-3")
+    wide = Transformer(4, 40960, 320, 2048, 51200, 64, name="wide")
+    r = decide(wide, A100_80GB, 64)
+    z3 = r["rows"][3]["prediction"]
+    layer = wide.layer_params()
+    psi = z3.detail["params_per_gpu"]
+    assert z3.memory["model_states"] == pytest.approx(16 * psi / 64 + 4 * layer)
+    assert 4 * layer > A100_80GB.memory_bytes  # the gathered layer alone is too large

@@ -131,13 +131,16 @@ def cluster_of(cal: dict, world: int = WORLD) -> Cluster:
 def predicted(shape, c: dict, cluster: Cluster, device_type: str = "cpu"):
     """The planner's prediction for one layout, with the dtypes of :func:`measure_worker`:
     float32 everywhere, SGD without momentum (``K = 0``), dropout masks of 4 bytes on the CPU
-    (1 on a GPU)."""
+    (1 on a GPU), and the composition's own choices (no FlashAttention, no SP, no overlap)."""
     dp, pp, tp = shape
     model = Transformer.from_gpt_config(_cfg(c), c["global_batch"])
     mask = 4 if device_type == "cpu" else 1
     return predict(
         model, cluster, Choice(dp, pp, tp, 0, c["micro_batches"]), param_bytes=4, grad_bytes=4,
         k=0, act_bytes=4, mask_bytes=mask if c["dropout"] > 0 else 0,
+        # as the course's composition runs: scores materialised, no sequence parallelism, each TP
+        # rank sending the whole activation to the next stage, the DP average after the flush
+        attention="materialized", sequence_parallel=False, pp_scatter_gather=False, overlap=False,
     )  # fmt: skip
 
 

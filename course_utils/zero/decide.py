@@ -1,91 +1,112 @@
-"""Which parallelism to use: the lectures' decision summary, with the memory arithmetic done.
+"""Which parallelism to use: the lectures' decision summary, with the planner's memory and time.
 
 The CSC lecture's rules, in the order they are asked:
 
-1. the model states fit on one GPU → **DDP** (fastest: no extra communication);
-2. they fit once sharded over the data-parallel GPUs → **ZeRO / FSDP**, the lowest stage that fits
-   (stage 1 and 2 cost no extra communication, stage 3 costs 1.5×);
-3. the largest layer does not fit on one GPU, even with everything else sharded → **tensor
-   parallelism** inside a node (notebook 06);
-4. no fast link between nodes → **pipeline parallelism** across them (notebook 05): it sends only
-   activations at stage boundaries, point to point.
+1. the model fits in data parallelism (its states replicated, or sharded by ZeRO over the
+   data-parallel GPUs, beside the activations of a micro-batch) → **DDP or ZeRO / FSDP**: the
+   fastest of the stages that fit (stage 1 and 2 cost DDP's communication per step, stage 3 half
+   as much again);
+2. it does not, because a layer (gathered by ZeRO-3) or a micro-batch's activations are too large
+   → **tensor parallelism** inside a node (notebook 06), where NVLink carries its all-reduces;
+3. the GPUs of a node have **no fast link between them** (PCIe only: no NVLink or its peers) →
+   **pipeline parallelism** instead of TP (notebook 05): it sends only activations at stage
+   boundaries, point to point, which PCIe tolerates; TP's per-layer all-reduces would wait on it.
 
-:func:`decide` prints per-GPU model-state memory for DDP and ZeRO-1/2/3 (:func:`model_state_bytes`)
-plus the activations and a reserve the caller gives, and says which fit.
+Memory and time come from :mod:`course_utils.plan`: ZeRO's states of the shard (08), Korthikanti's
+activations (06), compute at a compute-only efficiency, the α–β cost of each collective (03),
+hidden behind backward where it can be. For rule 1 every micro-batch size and recomputation
+(none, selective, full) is tried, and the fastest that fits is kept.
 """
 
 from __future__ import annotations
 
-from .memory import STAGES, model_state_bytes
+from ..plan import RECOMPUTE, Choice, Cluster, Transformer, best_of, plan, predict
+from .memory import STAGES
 
 NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP"}
+FAST_LINK = 100e9  # bytes/s each way: NVLink class; PCIe 4.0 x16 gives about 25
 
 
-def decide(
-    num_params: float,
-    n_gpus: int,
-    gpu_bytes: float,
-    largest_layer_params: float | None = None,
-    activation_bytes: float = 0.0,
-    reserve: float = 0.1,
-    fast_internode: bool = True,
-    gpus_per_node: int = 8,
-    k: float = 12,
-) -> dict:
-    """Per-GPU bytes for DDP and each ZeRO stage, which fit, and the advice.
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
-    ``gpu_bytes``: one GPU's memory; ``reserve``: the fraction kept free for the allocator, NCCL
-    buffers and fragmentation; ``activation_bytes``: per GPU, at the chosen micro-batch;
-    ``largest_layer_params``: ZeRO-3 gathers a whole layer (unit) at once, in 16 bits, and keeps
-    its gradient until it is reduce-scattered, so it must fit too. ``k = 12``: mixed-precision Adam.
-    """
-    if n_gpus < 1 or gpu_bytes <= 0 or num_params <= 0:
-        raise ValueError("num_params, n_gpus and gpu_bytes must be positive")
-    usable = gpu_bytes * (1 - reserve)
+
+def decide(model: Transformer, cluster: Cluster, n_gpus: int, **kw) -> dict:
+    """The decision for ``model`` on ``n_gpus`` of ``cluster``: per stage of plain data
+    parallelism (``tp = pp = 1``), its memory per GPU and step time at its best micro-batch and
+    recomputation, whether it fits; the advice in the lectures' words; and the planner's fastest
+    layout of all, to compare. ``kw`` goes to :func:`course_utils.plan.predict`."""
+    if model.global_batch % n_gpus:
+        raise ValueError(
+            f"the global batch {model.global_batch} does not split over {n_gpus} data-parallel "
+            "GPUs: choose a batch that is a multiple of the GPU count"
+        )
     rows = []
-    for stage in STAGES:
-        states = model_state_bytes(num_params, n_gpus, stage, k=k)
-        extra = 4 * largest_layer_params if (stage == 3 and largest_layer_params) else 0.0
-        need = states + activation_bytes + extra
-        rows.append({"stage": stage, "name": NAMES[stage], "bytes": need, "fits": need <= usable})
+    for z in STAGES if n_gpus > 1 else (0,):
+        preds = [
+            predict(model, cluster, Choice(n_gpus, 1, 1, z, m), recompute=r, **kw)
+            for m in _divisors(model.global_batch // n_gpus)
+            for r in RECOMPUTE
+        ]
+        fit = [p for p in preds if p.fits]
+        best = best_of(fit) if fit else min(preds, key=lambda p: p.memory["total"])
+        rows.append({"stage": z, "name": NAMES[z], "bytes": best.memory["total"],
+                     "states": best.memory["model_states"], "activations": best.memory["activations"],
+                     "step_s": best.time["total"], "fits": best.fits, "prediction": best})  # fmt: skip
+    overall = plan(model, cluster, n_gpus, **kw)[0]
     fitting = [r for r in rows if r["fits"]]
     advice = []
-    layer = largest_layer_params
+    fast = cluster.intra.beta >= FAST_LINK
     if fitting:
-        best = fitting[0]
-        if best["stage"] == 0:
-            advice.append("the model states fit on one GPU: DDP")
-        else:
-            cost = "1.5× DDP's communication" if best["stage"] == 3 else "DDP's communication"
-            advice.append(f"{best['name']}: the lowest stage that fits ({cost})")
-    elif layer and 4 * layer + activation_bytes > usable:
-        advice.append("the largest layer does not fit on one GPU: tensor parallelism inside a node")
-    else:
-        states = model_state_bytes(num_params, 1, 0, k=k)
-        room = usable - activation_bytes - (4 * layer if layer else 0.0)  # per GPU, for shards
-        if room <= 0 or states > n_gpus * room:
-            need = f"at least {-(-states // room):.0f} GPUs" if room > 0 else "more memory per GPU"
-            advice.append(
-                f"the model states ({states / 1e9:,.0f} GB) do not fit in {n_gpus} GPUs beside "
-                f"the activations and the gathered layer: {need}, or offload the optimizer "
-                "state to CPU memory (ZeRO-Offload)"
-            )
-        else:
-            advice.append(
-                "the activations do not fit beside the sharded states: activation checkpointing, a "
-                "smaller micro-batch, or tensor and sequence parallelism"
-            )
-    if not fast_internode and n_gpus > gpus_per_node:
+        pick = min(fitting, key=lambda r: (r["step_s"], r["stage"]))
         advice.append(
-            "no fast link between nodes: keep data-parallel/ZeRO traffic inside a node and put "
-            "pipeline stages across nodes"
+            f"{pick['name']}: the fastest data-parallel stage that fits ({pick['step_s']:.3g} s "
+            "per step)"
         )
-    return {"rows": rows, "usable_bytes": usable, "advice": advice}
+        if overall.fits and overall.time["total"] < 0.9 * pick["step_s"]:
+            advice.append(
+                f"the planner finds a faster layout with model parallelism: {_layout(overall)}, "
+                f"{overall.time['total']:.3g} s per step"
+            )
+    elif overall.fits:
+        if fast:
+            why = ("no data-parallel stage fits, even ZeRO-3 with recomputation (a layer "
+                   "gathered whole, or a micro-batch's activations, is too large): model "
+                   "parallelism, tensor parallelism inside a node on its fast link")  # fmt: skip
+        else:
+            why = ("no data-parallel stage fits, and this node has no fast link between its GPUs "
+                   f"(PCIe only, {cluster.intra.beta / 1e9:.0f} GB/s): pipeline parallelism, whose "
+                   "point-to-point activations PCIe tolerates, rather than TP's per-layer "
+                   "all-reduces")  # fmt: skip
+        advice.append(f"{why}; the planner's pick: {_layout(overall)}, "
+                      f"{overall.time['total']:.3g} s per step")  # fmt: skip
+    else:
+        advice.append(
+            f"no layout of {n_gpus} GPUs fits: more GPUs, or offload the parameters too "
+            "(ZeRO-Infinity; ZeRO-Offload keeps every parameter on each GPU, so it cannot help "
+            "when the parameters alone do not fit)"
+        )
+    return {"rows": rows, "advice": advice, "overall": overall,
+            "usable_bytes": rows[0]["prediction"].memory["limit"]}  # fmt: skip
+
+
+def _layout(pred) -> str:
+    c = pred.choice
+    return f"dp={c.dp} pp={c.pp} tp={c.tp} ZeRO-{c.zero} m={c.micro_batches}"
 
 
 def table(result: dict) -> str:
-    lines = [f"{'':14} {'GB per GPU':>11}  fits in {result['usable_bytes'] / 1e9:.0f} GB?"]
+    head = f"{'':14} {'GB per GPU':>11} {'states':>7} {'acts':>6} {'step s':>8}  fits in "
+    lines = [head + f"{result['usable_bytes'] / 1e9:.0f} GB?"]
     for r in result["rows"]:
-        lines.append(f"{r['name']:14} {r['bytes'] / 1e9:>11.1f}  {'yes' if r['fits'] else 'no'}")
+        rc = r["prediction"].detail["recompute"]
+        lines.append(
+            f"{r['name']:14} {r['bytes'] / 1e9:>11.1f} {r['states'] / 1e9:>7.1f} "
+            f"{r['activations'] / 1e9:>6.1f} {r['step_s']:>8.3g}  {'yes' if r['fits'] else 'no'}"
+            f" (recomputation {rc}, m={r['prediction'].choice.micro_batches})"
+        )
     lines += ["→ " + a for a in result["advice"]]
     return "\n".join(lines)
+
+
+__all__ = ["FAST_LINK", "NAMES", "decide", "table"]

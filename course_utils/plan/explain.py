@@ -1,0 +1,137 @@
+"""A prediction in words: which dimension sits on which link and why, what hides behind compute
+and what stays exposed, the ZeRO stage and the memory; and a table of many predictions."""
+
+from __future__ import annotations
+
+import math
+
+from ..pipeline.simulate import theory_bubble
+from ..zero import STAGES
+from .layouts import Prediction
+from .model import GB, Cluster, Transformer
+
+TERMS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm")
+
+
+def _s(x: float) -> str:
+    return f"{x:.3g} s"
+
+
+def _hidden(pred: Prediction, key: str) -> str:
+    hid = pred.detail["hidden"].get(key, 0.0)
+    if not pred.detail.get("overlap", True) or hid <= 0:
+        return "exposed"
+    shown = pred.time[key]
+    return f"{_s(hid)} hidden behind compute, {_s(shown)} exposed"
+
+
+def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
+    """The choice in the lectures' terms: which dimension sits on which link and why, which
+    communication hides behind compute and which is exposed, ZeRO, memory."""
+    c, T, d, g = pred.choice, pred.time, pred.detail, cluster.gpus_per_node
+    nodes = math.ceil(c.n_gpus / g)
+    v = f", v={c.interleave} chunks per stage" if c.interleave > 1 else ""
+    lines = [
+        f"dp={c.dp} × pp={c.pp} × tp={c.tp} on {c.n_gpus} GPUs ({nodes} node(s) of {g}), "
+        f"m={c.micro_batches} micro-batches of b={d['b']}{v}, ZeRO-{c.zero}, recomputation "
+        f"{d['recompute']}, attention {d['attention']}: {_s(T['total'])} per step predicted."
+    ]
+    tp_bytes = d["tp_bytes"] / GB
+    if c.tp == 1:
+        lines.append("TP=1: every GPU computes whole layers; no all-reduce inside a layer.")
+    elif pred.links["tp"] == "intra":
+        lines.append(
+            f"TP={c.tp} stays inside a node on NVLink"
+            + (" with sequence parallelism" if d["sequence_parallel"] else "")
+            + f": its collectives after every attention and MLP block move {tp_bytes:.3g} GB per "
+            f"GPU per step, {_s(T['tp_comm'])}, exposed: the next matrix product waits for each."
+        )
+    else:
+        why = (
+            f"tp={c.tp} > {g} GPUs per node" if c.tp > g else f"{g} is not a multiple of tp={c.tp}"
+        )
+        lines.append(
+            f"TP={c.tp} crosses nodes ({why}): {tp_bytes:.3g} GB per GPU per step of collectives "
+            f"on the inter-node link cost {_s(T['tp_comm'])}, exposed; keep TP within {g} GPUs "
+            "if you can."
+        )
+    if c.pp == 1:
+        lines.append("PP=1: no pipeline, so no bubble; every GPU holds all layers.")
+    else:
+        where = "across nodes" if pred.links["pp"] == "inter" else "inside a node"
+        frac = theory_bubble(c.pp, c.micro_batches, c.interleave)
+        lines.append(
+            f"PP={c.pp} {where}: a stage boundary only passes b·s·h activations point to point "
+            f"({_s(T['pp_comm'])}), which a slow link tolerates; each stage holds "
+            f"{d['layers_per_stage']} layer(s). The bubble (p-1)/(v·m+p-1) = {frac:.1%} of the "
+            f"step costs {_s(T['bubble'])}."
+        )
+    if c.dp == 1:
+        lines.append("DP=1: one replica; no gradient reduction.")
+    else:
+        link = "inside a node" if pred.links["dp"] == "intra" else "across nodes"
+        what = "gradients, parameters" if c.zero else "gradients"
+        lines.append(
+            f"DP={c.dp} over the rest, {link}: each GPU sends {d['dp_bytes'] / GB:.3g} GB per step "
+            f"({what}): {_hidden(pred, 'dp_comm')}."
+        )
+    states = d["states_by_stage"]
+    acts, limit = pred.memory["activations"], pred.memory["limit"]
+    lowest = next((z for z in STAGES if states[z] + acts <= limit), None)
+    if lowest is None:
+        lines.append(
+            f"ZeRO-{c.zero}: even ZeRO-3's {states[3] / GB:.1f} GB of states leave no room for "
+            f"the activations: more GPUs for pp or tp, recomputation, or a smaller micro-batch."
+        )
+    elif c.zero == 0:
+        lines.append(f"ZeRO off: the replicated model states ({states[0] / GB:.1f} GB) fit.")
+    elif lowest == c.zero:
+        lower = ", ".join(f"ZeRO-{z} {states[z] / GB:.1f} GB" for z in range(lowest))
+        lines.append(
+            f"ZeRO-{c.zero} ({STAGES[c.zero]}) because with less sharding the states would not "
+            f"fit beside {acts / GB:.1f} GB of activations in {limit / GB:.1f} GB ({lower}); with "
+            f"it they take {states[c.zero] / GB:.1f} GB."
+        )
+    else:
+        lines.append(
+            f"ZeRO-{c.zero}, although ZeRO-{lowest} would already fit ({states[lowest] / GB:.1f} "
+            f"GB of states): the higher stage saves memory, not time."
+        )
+    mem = pred.memory
+    lines.append(
+        f"Memory per GPU: states {mem['model_states'] / GB:.1f} GB + activations "
+        f"{mem['activations'] / GB:.1f} GB (recomputation {d['recompute']}) = "
+        f"{mem['total'] / GB:.1f} GB of {mem['limit'] / GB:.1f} GB usable."
+    )
+    hidden = {k: v for k, v in d["hidden"].items() if v > 0}
+    lines.append(
+        "Step, exposed: "
+        + ", ".join(f"{key} {_s(T[key])}" for key in TERMS)
+        + (
+            "; hidden behind compute: " + ", ".join(f"{k} {_s(v)}" for k, v in hidden.items())
+            if hidden
+            else "; nothing hidden"
+        )
+        + f". Compute runs at {d['efficiency']:.0%} of peak at this micro-batch."
+    )
+    if pred.reasons:
+        lines.append("Does not fit or is invalid: " + "; ".join(pred.reasons) + ".")
+    return "\n".join(lines)
+
+
+def table(preds: list[Prediction], limit: int | None = None) -> str:
+    """A markdown table of predictions, one row each."""
+    head = ["dp", "pp", "tp", "zero", "m", "b", "v", "recompute", "memory GB", "step s", *TERMS,
+            "fits"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * (len(head) - 1) + ":---:|"]
+    for p in preds[:limit]:
+        c = p.choice
+        cells = [c.dp, c.pp, c.tp, c.zero, c.micro_batches, p.detail["b"], c.interleave,
+                 p.detail["recompute"]]  # fmt: skip
+        cells += [f"{p.memory['total'] / GB:.1f}", f"{p.time['total']:.3g}"]
+        cells += [f"{p.time[key]:.3g}" for key in TERMS] + ["yes" if p.fits else "no"]
+        lines.append("| " + " | ".join(str(x) for x in cells) + " |")
+    return "\n".join(lines)
+
+
+__all__ = ["explain", "table"]
