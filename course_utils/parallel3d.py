@@ -35,7 +35,7 @@ from torch.nn import functional as F
 
 from .measure import synchronize
 from .models import GPT, GPTConfig
-from .topology import ParallelDims
+from .topology import Groups, ParallelDims
 
 DP_METHODS = ("ddp", "zero1")
 
@@ -183,9 +183,14 @@ def compose_worker(
     lr: float = 0.1,
     reference: bool = True,
     seed: int = 0,
+    build_groups=None,
 ) -> dict:
     """Train notebook 06's GPT with the course's own TP, pipeline schedule and DP (or ZeRO-1),
     each over its own group, and beside it (``reference=True``) one process on the whole batch.
+
+    ``build_groups(dp, pp, tp)``, when given, creates the groups instead of
+    :meth:`ParallelDims.build`: it returns ``{"tp": (group, ranks), "pp": ..., "dp": ...}`` for this
+    rank (exercise 07.3 runs a student's wiring through the whole composition).
 
     Returns this rank's coordinates, per step the largest difference of its parameter shards from
     the same slices of the reference and (last stage) of the loss, the step times, and the bytes it
@@ -202,7 +207,13 @@ def compose_worker(
     cfg = cfg or GPTConfig(vocab=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
     dims = ParallelDims(dp, pp, tp, world_size=ctx.world_size)
     check_shape(dims, cfg, global_batch, micro_batches)
-    groups = dims.build()
+    if build_groups is None:
+        groups = dims.build()
+    else:
+        made = build_groups(dp, pp, tp)
+        groups = Groups(dims=dims, coords=dims.coords(dist.get_rank()), tp=made["tp"][0],
+                        pp=made["pp"][0], dp=made["dp"][0],
+                        ranks={d: list(made[d][1]) for d in ("tp", "pp", "dp")})  # fmt: skip
     me = groups.coords
     torch.manual_seed(seed)
     full = GPT(cfg).to(ctx.device, dtype)

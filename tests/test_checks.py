@@ -1249,6 +1249,66 @@ def test_07_typical_mistakes():
     fails(checks.check_links, ignores_boundaries, "spans more than one node")
 
 
+def test_07_2_the_planner_is_refused():
+    from course_utils.plan import Choice, placement
+
+    def via_planner(dp, pp, tp, g):
+        return placement(Choice(dp, pp, tp), g)
+
+    def via_module(dp, pp, tp, g):
+        from course_utils.plan import layouts
+
+        return dict(layouts._placement(dp, pp, tp, g))
+
+    for answer in (via_planner, via_module):
+        fails(checks.check_links, answer, "the planner's own answer")
+
+
+def build_groups(dp, pp, tp):  # the model answer: every group of every dimension, in one order
+    n, me = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for dim in ("tp", "pp", "dp"):
+        found = {}
+        for r in range(n):
+            c = {"tp": r % tp, "dp": r // tp % dp, "pp": r // (tp * dp)}
+            found.setdefault(tuple(v for d, v in c.items() if d != dim), []).append(r)
+        lists = sorted(found.values())
+        group, _ = dist.new_subgroups_by_enumeration(lists)
+        out[dim] = (group, next(g for g in lists if me in g))
+    return out
+
+
+def groups_swapped(dp, pp, tp):  # the DP and PP groups exchanged
+    out = build_groups(dp, pp, tp)
+    out["dp"], out["pp"] = out["pp"], out["dp"]
+    return out
+
+
+def groups_listed_not_made(dp, pp, tp):  # the right ranks, but every group is the whole world
+    out = build_groups(dp, pp, tp)
+    return {d: (None, ranks) for d, (_, ranks) in out.items()}
+
+
+def groups_from_the_package(dp, pp, tp):
+    from course_utils.topology import ParallelDims
+
+    g = ParallelDims(dp, pp, tp).build()
+    return {d: (g.group(d), g.ranks[d]) for d in ("tp", "pp", "dp")}
+
+
+@pytest.mark.multiprocess
+def test_07_3_groups(runs_root, capsys):
+    checks.check_groups(build_groups)
+    assert "✓ exercise 07.3" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_07_3_typical_mistakes_and_bypasses(runs_root):
+    fails(checks.check_groups, groups_swapped, "differ from")
+    fails(checks.check_groups, groups_listed_not_made, "is not the ranks you listed")
+    fails(checks.check_groups, groups_from_the_package, "builds the grid for you")
+
+
 def test_08_1_shard_bounds(capsys):
     checks.check_shard_bounds(shard_bounds)
     assert "✓ exercise 08.1" in capsys.readouterr().out

@@ -16,7 +16,7 @@ Exercises, by notebook (``python -m course_utils copies --kind student`` removes
 - 05: :func:`check_one_f_one_b`, :func:`check_balanced_split`, :func:`check_mailbox`
 - 06: :func:`check_f_and_g`, :func:`check_qkv_shard`, :func:`check_vocab_parallel_cross_entropy`
   (:func:`check_row_parallel_linear`: the row-parallel forward, an earlier 06.1)
-- 07: :func:`check_coords`, :func:`check_links`
+- 07: :func:`check_coords`, :func:`check_links`, :func:`check_groups`
 - 08: :func:`check_shard_bounds`, :func:`check_zero1_step`, :func:`check_zero3`
 """
 
@@ -29,7 +29,7 @@ from .nb04 import check_bus_bandwidth, check_exposed_communication
 from .nb05 import check_balanced_split, check_mailbox, check_one_f_one_b
 from .nb06 import check_qkv_shard, check_row_parallel_linear
 from .nb06_comm import check_f_and_g, check_vocab_parallel_cross_entropy
-from .nb07 import check_coords, check_links
+from .nb07 import check_coords, check_groups, check_links
 from .nb08 import check_shard_bounds, check_zero1_step, check_zero3
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "check_data_parallel_step",
     "check_exposed_communication",
     "check_f_and_g",
+    "check_groups",
     "check_links",
     "check_mailbox",
     "check_local_loss_step",

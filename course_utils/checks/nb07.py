@@ -1,4 +1,5 @@
-"""Checks for notebook 07 (3D parallelism): a rank's coordinates, and the link each group uses."""
+"""Checks for notebook 07 (3D parallelism): a rank's coordinates, the link each group uses, and
+the groups themselves."""
 
 from __future__ import annotations
 
@@ -67,9 +68,26 @@ def _links(dims: ParallelDims, gpus_per_node: int) -> dict[str, str]:
     return out
 
 
+PLANNER = (
+    "that is the planner's own answer (course_utils.plan.placement): work out from the groups "
+    "whether each one lies inside a node"
+)
+
+
 def check_links(links) -> None:
     """Exercise 07.2: ``links(dp, pp, tp, gpus_per_node) -> {"tp": ..., "pp": ..., "dp": ...}``,
     each ``"intra"`` when every group of that dimension lies inside one node, else ``"inter"``."""
+    from ..plan import layouts
+    from .common import refused
+
+    with (
+        refused("07.2", links, layouts.placement, PLANNER),
+        refused("07.2", links, layouts._placement, PLANNER),
+    ):
+        _check_links(links)
+
+
+def _check_links(links) -> None:
     cases = list(itertools.product((1, 2, 4), (1, 2, 4), (1, 2, 4, 8), (4, 8)))
     cases += [(2, 1, 3, 4), (3, 1, 2, 4), (1, 3, 2, 4)]  # groups that straddle a node boundary
     for dp, pp, tp, g in cases:
@@ -93,4 +111,69 @@ def check_links(links) -> None:
     passed("07.2", f"the link of every dimension for {len(cases)} shapes and node sizes")
 
 
-__all__ = ["check_coords", "check_links"]
+# ---- 07.3 the groups of every dimension --------------------------------------------------------
+
+BUILT_FOR_YOU = (
+    "that is the package's (ParallelDims.build / group_ranks / mesh) or torch's DeviceMesh, which "
+    "builds the grid for you: enumerate the groups of each dimension yourself and create them"
+)
+
+
+def _groups_worker(ctx, build_groups, shapes):
+    import torch
+    import torch.distributed as dist
+
+    from ..parallel3d import compose_worker
+
+    r = ctx.rank
+
+    def refusals():
+        import torch.distributed.device_mesh as dm
+
+        stack = contextlib.ExitStack()
+        for name in ("build", "group_ranks", "mesh"):
+            stack.enter_context(_without("07.3", ParallelDims, name, BUILT_FOR_YOU))
+        stack.enter_context(_without("07.3", dm, "init_device_mesh", BUILT_FOR_YOU))
+        return stack
+
+    for dp, pp, tp in shapes:
+        dims = ParallelDims(dp, pp, tp)
+        want = {d: next(g for g in dims.group_ranks(d) if r in g) for d in ("tp", "pp", "dp")}
+        with refusals():
+            got = build_groups(dp, pp, tp)
+        where = f"dp={dp} × pp={pp} × tp={tp}"
+        if not isinstance(got, dict) or set(got) != {"tp", "pp", "dp"}:
+            fail("07.3", f"return {{'tp': (group, ranks), 'pp': ..., 'dp': ...}}; got {got!r}")
+        for d in ("tp", "pp", "dp"):
+            group, ranks = got[d]
+            if sorted(ranks) != want[d]:
+                fail("07.3", f"{where}: rank {r}'s {d.upper()} group is {sorted(ranks)}; it should "
+                     f"hold the ranks that differ from {r} in the {d.upper()} coordinate only")  # fmt: skip
+            x = torch.tensor([float(r)], device=ctx.device)
+            dist.all_reduce(x, group=group)
+            if int(x.item()) != sum(want[d]):
+                fail("07.3", f"{where}: an all-reduce over rank {r}'s {d.upper()} group summed to "
+                     f"{int(x.item())}, not {sum(want[d])}: the group object is not the ranks "
+                     "you listed (every rank must create every group, in the same order)")  # fmt: skip
+    dp, pp, tp = shapes[0]
+    with refusals():
+        out = compose_worker(ctx, dp, pp, tp, steps=2, build_groups=build_groups)
+    worst = max(out["diffs"])
+    if not worst < 1e-12:
+        fail("07.3", f"3D training with your groups differs from one process by {worst:.2g}")
+    return True
+
+
+def check_groups(build_groups) -> None:
+    """Exercise 07.3: ``build_groups(dp, pp, tp) -> {"tp": (group, ranks), "pp": ..., "dp": ...}``:
+    this rank's three process groups, every group of every dimension created by every rank in the
+    same order; checked on 8 ranks in several shapes, then used to train the 3D composition."""
+    from .common import launch_check
+
+    shapes = [(2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 4, 1)]
+    launch_check("07.3", _groups_worker, 8, build_groups=build_groups, shapes=shapes, timeout=180)
+    passed("07.3", "every rank's TP, PP and DP groups on 8 ranks in 4 shapes, each group checked "
+           "by an all-reduce, and DP × PP × TP trained with them equal to one process")  # fmt: skip
+
+
+__all__ = ["check_coords", "check_groups", "check_links"]
