@@ -69,13 +69,13 @@ def ping_pong_worker(ctx, sizes=(8, 1 << 10, 1 << 16, 1 << 20), repeats: int = 2
     """Ranks 0 and 1 bounce messages (run under ``launch``); the median one-way time per size.
 
     Blocking ``send`` / ``recv`` in alternation: only one message is ever in flight, so this is
-    safe on NCCL too. Other ranks wait at the barrier.
+    safe on NCCL too. Other ranks wait at the barrier. The sizes take turns, round after round,
+    so that a busy moment on a shared node slows every size alike instead of one.
     """
-    out = {}
-    for nbytes in sizes:
-        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=ctx.device)
-        times = []
-        for i in range(repeats + 2):
+    bufs = [torch.zeros(max(1, n // 4), dtype=torch.float32, device=ctx.device) for n in sizes]
+    times: dict[int, list[float]] = {b.numel() * 4: [] for b in bufs}
+    for i in range(repeats + 2):
+        for buf in bufs:
             dist.barrier()
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
@@ -89,9 +89,8 @@ def ping_pong_worker(ctx, sizes=(8, 1 << 10, 1 << 16, 1 << 20), repeats: int = 2
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
             if i >= 2:  # the first round trips set up connections
-                times.append((time.perf_counter() - t0) / 2)
-        out[buf.numel() * 4] = float(np.median(times))
-    return out
+                times[buf.numel() * 4].append((time.perf_counter() - t0) / 2)
+    return {n: float(np.median(t)) for n, t in times.items()}
 
 
 __all__ = ["AlphaBeta", "fit", "ping_pong_worker"]
