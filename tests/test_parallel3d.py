@@ -47,6 +47,60 @@ def test_coords_and_groups_partition_the_grid(dp, pp, tp):
     assert all(g == list(range(g[0], g[0] + tp)) for g in d.group_ranks("tp"))  # adjacent ranks
 
 
+@pytest.mark.parametrize(
+    "dp,pp,tp,cp,ep",
+    [(2, 2, 2, 2, 1), (4, 1, 1, 1, 2), (2, 2, 1, 2, 4), (1, 1, 2, 4, 2), (3, 1, 2, 2, 3)],
+)
+def test_context_and_expert_groups_in_megatron_core_order(dp, pp, tp, cp, ep):
+    d = ParallelDims(dp, pp, tp, cp=cp, ep=ep)
+    assert d.size == dp * pp * tp * cp
+    for r in range(d.size):  # tp innermost, then cp, dp, pp outermost (tp-cp-ep-dp-pp)
+        tp_i, cp_i = d.coord(r, "tp"), d.coord(r, "cp")
+        dp_i, pp_i = d.coords(r).dp, d.coords(r).pp
+        assert r == ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i == d.rank(dp_i, pp_i, tp_i, cp_i)
+    for dim in ("cp", "dp_cp", "ep", "edp"):
+        groups = d.group_ranks(dim)
+        assert sorted(itertools.chain(*groups)) == list(range(d.size))
+        assert all(len(g) == d.degree(dim) for g in groups)
+    stage = {r: (d.coords(r).pp, d.coords(r).tp) for r in range(d.size)}
+    for g in d.group_ranks("dp_cp"):  # one stage and TP slot: its whole data x context block
+        assert len({stage[r] for r in g}) == 1
+    for e in d.group_ranks("ep"):  # EP and EDP split each DP x CP block into a grid
+        block = next(g for g in d.group_ranks("dp_cp") if e[0] in g)
+        assert set(e) <= set(block) and e == block[block.index(e[0]) : block.index(e[0]) + ep]
+        for r in e:
+            edp = next(g for g in d.group_ranks("edp") if r in g)
+            assert set(edp) <= set(block) and len(set(edp) & set(e)) == 1
+    if cp == 1 and ep == 1:
+        assert d.group_ranks("dp_cp") == d.group_ranks("dp")
+
+
+def _groups_and_meshes(ctx, dp, pp, tp, cp, ep):
+    d = ParallelDims(dp, pp, tp, ctx.world_size, cp=cp, ep=ep)
+    g = d.build()
+    mesh, experts = d.mesh(ctx.device.type), d.expert_mesh(ctx.device.type)
+    from_mesh = {n: _ranks(mesh[n]) for n in mesh.mesh_dim_names}
+    from_experts = {n: _ranks(experts[n]) for n in ("ep", "edp")}
+    return {"ranks": g.ranks, "mesh": from_mesh, "experts": from_experts}
+
+
+def _ranks(sub):
+    return sorted(int(r) for r in sub.mesh.flatten().tolist())
+
+
+@pytest.mark.multiprocess
+def test_cp_and_ep_groups_built_and_meshes_agree(runs_root):
+    dp, pp, tp, cp, ep = 2, 1, 2, 2, 2
+    res = launch(_groups_and_meshes, 8, dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, echo=False).results
+    d = ParallelDims(dp, pp, tp, cp=cp, ep=ep)
+    for rank, r in enumerate(res):
+        for dim in ("tp", "pp", "dp", "cp", "dp_cp", "ep", "edp"):
+            assert r["ranks"][dim] in d.group_ranks(dim) and rank in r["ranks"][dim]
+        for dim in ("pp", "dp", "cp", "tp"):
+            assert r["mesh"][dim] == r["ranks"][dim]
+        assert r["experts"] == {"ep": r["ranks"]["ep"], "edp": r["ranks"]["edp"]}
+
+
 def test_refusals_give_the_numbers():
     with pytest.raises(ValueError, match=r"dp=2 × pp=4 × tp=2 = 16, but world_size is 8"):
         ParallelDims(dp=2, pp=4, tp=2, world_size=8)
@@ -57,7 +111,11 @@ def test_refusals_give_the_numbers():
     with pytest.raises(ValueError, match=r"rank 8 is outside 0\.\.7"):
         d.coords(8)
     with pytest.raises(ValueError, match="dim must be one of"):
-        d.group_ranks("ep")
+        d.group_ranks("sp")
+    with pytest.raises(ValueError, match=r"ep=3 must divide dp × cp = 4"):
+        ParallelDims(dp=2, pp=1, tp=1, cp=2, ep=3)
+    with pytest.raises(ValueError, match=r"dp=2 × pp=1 × tp=2 × cp=2 = 8, but world_size is 4"):
+        ParallelDims(dp=2, pp=1, tp=2, world_size=4, cp=2)
     with pytest.raises(RuntimeError, match="inside a rank"):
         d.build()
     cfg = GPTConfig(vocab=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
