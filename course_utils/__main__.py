@@ -5,6 +5,8 @@ python -m course_utils data download --root DIR [--datasets cifar10 fashionmnist
 python -m course_utils bench launch --world-size 4 [--rounds 5]
 python -m course_utils bench tp [--world-sizes 1 2 4] [--rounds 5] [--json]
 python -m course_utils bench zero [--world-sizes 2 4] [--rounds 3] [--json]
+python -m course_utils bench cp [--world-sizes 2 4] [--rounds 3] [--json]
+python -m course_utils bench moe [--world-sizes 2 4] [--rounds 3] [--json]
 python -m course_utils course --out build [--size ci|cpu|gpu] [--only 01]
 python -m course_utils preflight --out DIR [--size gpu] [--only 01 03]
 python -m course_utils copies --kind student|answers --out build/student
@@ -88,6 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     b3.add_argument("--rounds", type=int, default=1)
     b3.add_argument("--json", action="store_true")
+    cpb = bsub.add_parser(
+        "cp", help="ring attention (contiguous, zig-zag) and Ulysses: step time, values sent"
+    )
+    cpb.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="P")
+    cpb.add_argument("--rounds", type=int, default=3)
+    cpb.add_argument("--json", action="store_true")
+    mb = bsub.add_parser(
+        "moe", help="expert parallelism vs one process vs replicated experts: time, values, load"
+    )
+    mb.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="N")
+    mb.add_argument("--rounds", type=int, default=3)
+    mb.add_argument("--json", action="store_true")
     t = bsub.add_parser("traces", help="parse + analyse speed on 8 generated ~50 MB rank traces")
     t.add_argument("--ranks", type=int, default=8)
     t.add_argument("--mb", type=float, default=50.0, help="size of each trace")
@@ -183,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
                 result = bench_3d.run(args.rounds)
             print(json.dumps(result, indent=2) if args.json else bench_3d.table(result))
+        elif args.bench_cmd in ("cp", "moe"):
+            from .bench import cp as bench_cp
+            from .bench import moe as bench_moe
+
+            mod = bench_cp if args.bench_cmd == "cp" else bench_moe
+            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+                result = mod.run(args.world_sizes, args.rounds)
+            print(json.dumps(result, indent=2) if args.json else mod.table(result))
         else:
             from .bench import traces as bench_traces
 

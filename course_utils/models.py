@@ -222,10 +222,17 @@ class CausalSelfAttention(nn.Module):
         B, T = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(B, T, -1, 3, self.head_dim)  # (B, T, heads, 3, hd)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each (B, heads, T, hd)
+        y = self.attend(q, k, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, heads * hd)
+        return self.drop(self.proj(y))  # (B, T, h)
+
+    def attend(self, q, k, v):  # (B, heads, T, hd) each -> (B, heads, T, hd)
+        """Causal softmax attention over the whole sequence. Context parallelism
+        (``course_utils.context_parallel.apply_cp``) replaces this method on the instance, with
+        attention over a sequence sharded across ranks."""
+        T = q.shape[-2]
         att = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5  # (B, heads, T, T)
         att = self.attn_drop(torch.softmax(att + self.causal[:T, :T], dim=-1))
-        y = (att @ v).transpose(1, 2).reshape(B, T, -1)  # (B, T, heads * hd)
-        return self.drop(self.proj(y))  # (B, T, h)
+        return att @ v
 
 
 class MLP(nn.Module):
@@ -270,13 +277,24 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
-    def forward(self, idx):  # (B, T) -> (B, T, vocab)
+    def forward(self, idx, positions=None):  # (B, T) -> (B, T, vocab)
+        """``positions`` (T,): the tokens' places in the sequence, ``0..T−1`` when not given
+        (context parallelism gives each rank a shard of the tokens and their positions)."""
         T = idx.shape[1]
-        if self.cfg.seq_len < T:
-            raise ValueError(
-                f"sequence of {T} tokens, but the model's seq_len is {self.cfg.seq_len}"
-            )
-        x = self.drop(self.embed(idx) + self.pos.weight[:T])  # (B, T, h)
+        if positions is None:
+            if self.cfg.seq_len < T:
+                raise ValueError(
+                    f"sequence of {T} tokens, but the model's seq_len is {self.cfg.seq_len}"
+                )
+            pos = self.pos.weight[:T]  # (T, h)
+        else:
+            if positions.shape != (T,) or int(positions.max()) >= self.cfg.seq_len:
+                raise ValueError(
+                    f"positions must be {T} places below seq_len={self.cfg.seq_len}, got "
+                    f"shape {tuple(positions.shape)}, largest {int(positions.max())}"
+                )
+            pos = self.pos(positions.to(idx.device))  # (T, h)
+        x = self.drop(self.embed(idx) + pos)  # (B, T, h)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))  # (B, T, vocab)

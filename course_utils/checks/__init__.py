@@ -18,6 +18,8 @@ Exercises, by notebook (``python -m course_utils copies --kind student`` removes
   (:func:`check_row_parallel_linear`: the row-parallel forward, an earlier 06.1)
 - 07: :func:`check_coords`, :func:`check_links`, :func:`check_groups`
 - 08: :func:`check_shard_bounds`, :func:`check_zero1_step`, :func:`check_zero3`
+- 09: :func:`check_merge`, :func:`check_ring_forward`, :func:`check_seq_to_head`
+- 10: :func:`check_route`, :func:`check_dispatch_combine`
 """
 
 from .common import ExerciseError
@@ -31,6 +33,8 @@ from .nb06 import check_qkv_shard, check_row_parallel_linear
 from .nb06_comm import check_f_and_g, check_vocab_parallel_cross_entropy
 from .nb07 import check_coords, check_groups, check_links
 from .nb08 import check_shard_bounds, check_zero1_step, check_zero3
+from .nb09 import check_merge, check_ring_forward, check_seq_to_head
+from .nb10 import check_dispatch_combine, check_route
 
 __all__ = [
     "ExerciseError",
@@ -39,18 +43,23 @@ __all__ = [
     "check_bus_bandwidth",
     "check_coords",
     "check_data_parallel_step",
+    "check_dispatch_combine",
     "check_exposed_communication",
     "check_f_and_g",
     "check_groups",
     "check_links",
     "check_mailbox",
+    "check_merge",
     "check_local_loss_step",
     "check_mlp_activation_bytes",
     "check_one_f_one_b",
     "check_overlapped_ddp",
     "check_qkv_shard",
     "check_ring_all_reduce",
+    "check_ring_forward",
+    "check_route",
     "check_row_parallel_linear",
+    "check_seq_to_head",
     "check_shard_bounds",
     "check_sync_batch_stats",
     "check_state_bytes",

@@ -57,11 +57,13 @@ class CollectiveCounter(TorchDispatchMode):
 
     Both the c10d ops (``dist.all_reduce``) and the functional ones DTensor uses are seen. Backward
     runs in the same thread on CPU, so a ``loss.backward()`` inside the block is counted too.
+    ``p2p=True`` counts point-to-point sends as well (kind ``"send"``, the bytes sent).
     """
 
     counts: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
     calls: list = field(default_factory=list)
+    p2p: bool = False
 
     def __post_init__(self):
         super().__init__()
@@ -69,8 +71,9 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.__name__.split(".")[0]
-        if func.namespace in ("c10d", "_c10d_functional") and name in _OPS:
-            kind, where = _OPS[name]
+        ops = {**_OPS, "send": ("send", 0)} if self.p2p else _OPS
+        if func.namespace in ("c10d", "_c10d_functional") and name in ops:
+            kind, where = ops[name]
             nbytes = _bytes(out if where == "out" else args[where])
             self.counts[kind] += 1
             self.bytes[kind] += nbytes
@@ -80,10 +83,13 @@ class CollectiveCounter(TorchDispatchMode):
 
 def ring_bytes(kind: str, nbytes: int, t: int) -> float:
     """Bytes each rank sends in a ring ``kind`` whose full tensor is ``nbytes``:
-    all-reduce ``2(t−1)/t``, all-gather and reduce-scatter ``(t−1)/t`` of it."""
+    all-reduce ``2(t−1)/t``, all-gather and reduce-scatter ``(t−1)/t`` of it; an all-to-all of
+    equal splits ``(t−1)/t`` of its input (the rest stays on the rank); a send all of it."""
+    if kind == "send":
+        return float(nbytes)
     if t == 1:
         return 0.0
-    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}[kind]
+    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}[kind]
     return factor * (t - 1) / t * nbytes
 
 

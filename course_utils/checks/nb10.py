@@ -1,0 +1,199 @@
+"""Checks for notebook 10 (expert parallelism): top-k routing with capacity and the
+load-balancing loss (10.1), and the dispatch and combine of an expert-parallel layer (10.2)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from ..expert_parallel import apply, comm, router
+from ..expert_parallel.layer import Expert
+from .common import OnlyCommunication, fail, launch_check, passed, refuse_calls, refuse_copies
+
+PACKAGE_ROUTE = (
+    "that is the package's route (course_utils.expert_parallel.route), which the check compares "
+    "with: write the routing yourself"
+)
+PACKAGE_EP = (
+    "that is the package's dispatch and combine (course_utils.expert_parallel), which the check "
+    "compares with: write the sorting, the counts and the two all-to-alls yourself"
+)
+
+
+def _route_cases():
+    g = torch.Generator().manual_seed(101)
+    cases = []
+    for T, E, k, cf in ((9, 4, 1, None), (12, 4, 2, None), (12, 4, 2, 1.0), (10, 6, 2, 0.5),
+                        (7, 3, 1, 1.25), (16, 8, 2, 1.0)):  # fmt: skip
+        logits = torch.randn(T, E, generator=g, dtype=torch.float64)
+        logits[: T // 2, 0] += 2.0  # a popular expert, so that capacity bites
+        cases.append((logits, k, cf))
+    return cases
+
+
+def check_route(route) -> None:
+    """Exercise 10.1: ``route(logits, k, capacity_factor) -> (experts, weights, keep, aux_loss)``."""
+    refuse_copies("10.1", route, [router.route], PACKAGE_ROUTE)
+    cases = []  # the answers, computed before the student's code runs
+    for logits, k, cf in _route_cases():
+        theirs = logits.clone().requires_grad_()
+        want = router.route(theirs, k, cf)
+        (ref,) = torch.autograd.grad(want.aux_loss, theirs)
+        cases.append((logits, k, cf, want, ref))
+    with refuse_calls("10.1", [router.route], PACKAGE_ROUTE):
+        for logits, k, cf, want, ref in cases:
+            mine = logits.clone().requires_grad_()
+            got = route(mine, k, cf)
+            where = f"T={logits.shape[0]} tokens, E={logits.shape[1]}, k={k}, capacity_factor={cf}"
+            if not (isinstance(got, tuple) and len(got) == 4):
+                fail("10.1", "return (experts, weights, keep, aux_loss)")
+            experts, weights, keep, aux = got
+            if not torch.equal(torch.as_tensor(experts).long(), want.experts):
+                fail("10.1", f"with {where}, the experts differ: each token's k most probable, "
+                     "most probable first")  # fmt: skip
+            if not torch.allclose(
+                torch.as_tensor(weights).double(), want.weights.detach(), atol=1e-12
+            ):
+                hint = (
+                    "with k = 1 the weight is the probability itself (the Switch Transformer), "
+                    "so that the router learns from the loss"
+                    if k == 1
+                    else "with k > 1 the k probabilities are renormalised to sum to 1"
+                )
+                fail("10.1", f"with {where}, the weights differ: {hint}")
+            if not torch.equal(torch.as_tensor(keep).bool(), want.keep):
+                fail("10.1", f"with {where}, the kept assignments differ: an expert takes "
+                     "ceil(capacity_factor · T·k / E) of them, every token's first choice in "
+                     "token order before any second choice; None means no limit")  # fmt: skip
+            if not torch.is_tensor(aux) or abs(float(aux) - float(want.aux_loss)) > 1e-12:
+                fail("10.1", f"with {where}, the load-balancing loss differs: E · sum_i f_i · "
+                     "P_i, f_i the share of the T·k assignments (before dropping), P_i the mean "
+                     "probability")  # fmt: skip
+            if aux.grad_fn is None:
+                fail("10.1", "aux_loss has no gradient: it must be computed from the "
+                     "probabilities, so that it can train the router")  # fmt: skip
+            (grad,) = torch.autograd.grad(aux, mine)
+            if not torch.allclose(grad, ref, atol=1e-12):
+                fail("10.1", f"with {where}, aux_loss's gradient differs: f_i is a count (no "
+                     "gradient), only P_i carries one")  # fmt: skip
+    passed("10.1", "experts, weights, capacity and dropping, and the load-balancing loss with "
+           "its gradient, on 6 routings")  # fmt: skip
+
+
+def _ep_worker(ctx, dispatch_combine, cases):
+    n, r = ctx.world_size, ctx.rank
+    for E, T, h, k, cf in cases:
+        g = torch.Generator().manual_seed(7 * E + T)  # the same experts on every rank
+        experts = [Expert(h, 2 * h).double() for _ in range(E)]
+        for e in experts:
+            for p in e.parameters():
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+            e.to(ctx.device)
+        mine = experts[r * E // n : (r + 1) * E // n]
+        # the answer, on one process: every rank's tokens through the chosen experts (this
+        # rank's experts get gradient from all of them), this rank's output and input gradient
+        recv_rows = 0  # rows this rank's experts get from every rank
+        for s in range(n):
+            gx = torch.Generator().manual_seed(100 + s)  # each rank its own tokens
+            xw = torch.randn(T + s, h, generator=gx, dtype=torch.float64).to(ctx.device)
+            lg = torch.randn(T + s, E, generator=gx, dtype=torch.float64).to(ctx.device)
+            up_s = torch.randn(xw.shape, generator=gx, dtype=torch.float64).to(ctx.device)
+            lg[:, 0] -= 50.0  # expert 0 gets no token anywhere
+            if s == 0:
+                lg[:, E // n :] -= 50.0  # rank 0 sends nothing to the other ranks' experts
+            rt = router.route(lg, k, cf)
+            lo, hi = r * E // n, (r + 1) * E // n
+            recv_rows += int((rt.keep & (rt.experts >= lo) & (rt.experts < hi)).sum())
+            xw.requires_grad_()
+            out = torch.zeros_like(xw)
+            for t in range(len(xw)):
+                for j in range(k):
+                    if rt.keep[t, j]:
+                        e = int(rt.experts[t, j])
+                        out[t] += rt.weights[t, j] * experts[e](xw[t : t + 1])[0]
+            out.backward(up_s)
+            if s == r:
+                x, up, routing, want, x_grad = xw.detach(), up_s, rt, out.detach(), xw.grad
+        grads_want = [
+            [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in e.parameters()]
+            for e in mine
+        ]
+        for e in experts:
+            e.zero_grad()
+        xs = x.clone().requires_grad_()
+        rows = int(routing.keep.sum())
+        sizes = []
+        with contextlib.ExitStack() as watch:
+            watch.enter_context(
+                refuse_calls("10.2", [apply.dispatch_combine, comm.exchange_counts], PACKAGE_EP)
+            )
+            c = watch.enter_context(
+                OnlyCommunication(
+                    "10.2",
+                    ("alltoall_base_", "all_to_all_single"),
+                    "expert parallelism moves tokens and counts with all-to-alls only",
+                )  # fmt: skip
+            )
+            with contextlib.ExitStack() as forward:
+                _count_a2a(forward, sizes)
+                calls = dict(c.calls)
+                got = dispatch_combine(xs, routing, torch.nn.ModuleList(mine), E, None)
+                calls = {k_: v - calls.get(k_, 0) for k_, v in c.calls.items()}
+            where = f"{n} ranks, E={E}, k={k}, capacity_factor={cf}"
+            if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+                shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+                fail("10.2", f"with {where}, return (T, h) = {tuple(x.shape)}; got {shape}")
+            got.backward(up)
+        err = float((got.detach() - want.detach()).abs().max())
+        if err > 1e-12:
+            fail("10.2", f"with {where}, rank {r}'s output differs from one process by {err:.2g}: "
+                 "each kept assignment's row goes to its expert's rank, comes back in the same "
+                 "place, and is added to its token with its weight")  # fmt: skip
+        if xs.grad is None or float((xs.grad - x_grad).abs().max()) > 1e-12:
+            fail("10.2", f"with {where}, the tokens' gradient is wrong: use the package's "
+                 "all_to_all, whose backward sends each row's gradient back")  # fmt: skip
+        for e, ws in zip(mine, grads_want):
+            for p, w in zip(e.parameters(), ws):
+                gp = torch.zeros_like(w) if p.grad is None else p.grad
+                if float((gp - w).abs().max()) > 1e-12:
+                    fail("10.2", f"with {where}, rank {r}'s expert gradients differ: each local "
+                         "expert must run on the rows every rank sent it")  # fmt: skip
+        per_row = h * x.element_size()
+        if sum(calls.values()) != 3 or sizes[1:] != [rows * per_row, recv_rows * per_row]:
+            fail("10.2", f"with {where}, rank {r} issued {sum(calls.values())} all-to-alls "
+                 f"with inputs of {sizes} bytes; the layer needs three: the counts, then each of "
+                 f"its {rows} kept rows ({h} values each) out once, and the {recv_rows} rows its "
+                 "experts received back once")  # fmt: skip
+    dist.barrier()
+    return True
+
+
+def _count_a2a(watch, sizes):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else ""
+            if name in ("alltoall_base_", "all_to_all_single"):
+                x = args[1] if name == "alltoall_base_" else args[0]
+                sizes.append(x.numel() * x.element_size())
+            return func(*args, **(kwargs or {}))
+
+    watch.enter_context(Sizes())
+
+
+def check_dispatch_combine(dispatch_combine) -> None:
+    """Exercise 10.2: ``dispatch_combine(x, routing, local_experts, n_experts, group) -> y``."""
+    refuse_copies("10.2", dispatch_combine, [apply.dispatch_combine], PACKAGE_EP)
+    cases = [(12, 10, 4, 2, None), (6, 9, 3, 1, 1.0), (12, 12, 2, 2, 0.75)]
+    for n in (2, 3):
+        launch_check("10.2", _ep_worker, n, dispatch_combine=dispatch_combine, cases=cases,
+                     timeout=120)  # fmt: skip
+    passed("10.2", "output and gradients equal to one process on 2 and 3 ranks (an expert with "
+           "no token, a rank sending to nobody else), with three all-to-alls")  # fmt: skip
+
+
+__all__ = ["check_dispatch_combine", "check_route"]
