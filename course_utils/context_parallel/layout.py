@@ -1,8 +1,10 @@
 """Which tokens of a sequence each context-parallel rank holds, and what that costs under a mask.
 
 With a causal mask, query ``i`` sees keys ``0..i``: the late tokens do most of the work. Cut the
-sequence into ``n`` contiguous pieces and the last rank computes about ``2n − 1`` times the first
-one's scores. The **zig-zag** layout (Megatron-LM's context parallelism and torch's ``context_parallel``, as
+sequence into ``n`` contiguous pieces and the last rank computes ``n`` times the first one's
+scores when a block cut by the diagonal is computed whole (as here: only pieces the mask hides
+entirely are skipped), ``2n − 1`` times with a kernel that also skips the diagonal block's masked
+half. The **zig-zag** layout (Megatron-LM's context parallelism and torch's ``context_parallel``, as
 its head-tail load balancer, use it) cuts the sequence into ``2n`` chunks and gives rank ``i``
 chunks ``i`` and ``2n − 1 − i``: one early, one late, the same work for everyone. (Striped
 attention, Brandon et al. 2023, deals the tokens out round-robin instead.)

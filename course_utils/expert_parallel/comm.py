@@ -7,8 +7,9 @@
   backward is the same exchange reversed: each row's gradient goes back to where the row came
   from.
 
-Both use ``all_to_all_single``; the list form ``all_to_all`` is not implemented by gloo (pytorch
-issue 88245). Taught in notebook 10.
+Both use ``all_to_all_single``: one flat buffer on every backend. The list form ``all_to_all``
+was long missing from gloo (pytorch issue 88245): the pinned torch has it, the 2.6 floor does not.
+Taught in notebook 10.
 """
 
 from __future__ import annotations
