@@ -20,6 +20,7 @@ def test_shapes_are_every_valid_layout_of_8_ranks():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 40-50 s; the floor runs the 3D parity tests instead
 def test_bench_3d_memory_within_10_percent_of_the_planner(runs_root):
     r = threed.run(rounds=1, only=[(2, 2, 2), (1, 4, 2), (4, 1, 2)], **TINY)
     cal = r["calibration"]

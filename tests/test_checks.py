@@ -288,6 +288,7 @@ def test_02_1_bypasses_are_refused():
     assert nn.DataParallel(nn.Linear(2, 2))  # and DataParallel works again
 
 
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_02_bypasses_a_reviewer_found_are_caught():
     """One device in disguise (decoy replicas, then model.forward on the whole batch), shallow
     copies that share the model's parameters, one worker thread running the replicas in turn, and
@@ -390,6 +391,7 @@ def test_03_1_ring_all_reduce(runs_root, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_03_1_without_the_all_gather(runs_root):
     msg = fails(checks.check_ring_all_reduce, reduce_scatter_only, "1 of 2 chunks are right")
     assert msg.startswith("rank ") and "tensor(" not in msg
@@ -427,6 +429,7 @@ def straight_to_the_owner(t):  # right sums, right element count, but not a ring
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_03_1_collectives_and_shortcuts_are_refused(runs_root):
     fails(checks.check_ring_all_reduce, all_reduce_then_pretend, "c10d.allreduce_ was called")
     fails(checks.check_ring_all_reduce, halves_from_the_library, "torch.distributed's collectives")
@@ -513,6 +516,7 @@ def test_03_2_overlapped_ddp(runs_root, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_03_2_forgetting_to_divide_says_so(runs_root):
     msg = fails(checks.check_overlapped_ddp, SumsWithoutDividing, "divide the all-reduced sum")
     assert "2 times one process's" in msg and "never completes" not in msg and "tensor(" not in msg
@@ -587,6 +591,7 @@ class ImportedAllReduce(OverlappedDDP):  # right, with all_reduce imported by na
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_03_2_the_package_or_torch_inside_is_refused(runs_root):
     fails(checks.check_overlapped_ddp, Delegating, "the package's BucketedDDP")
     fails(checks.check_overlapped_ddp, TorchInside, "torch's DistributedDataParallel")
@@ -595,17 +600,20 @@ def test_03_2_the_package_or_torch_inside_is_refused(runs_root):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_03_2_all_reduce_imported_by_name_is_watched_too(runs_root, capsys):
     checks.check_overlapped_ddp(ImportedAllReduce)
     assert "✓ exercise 03.2" in capsys.readouterr().out
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_03_2_zeros_where_no_rank_had_a_gradient(runs_root):
     fails(checks.check_overlapped_ddp, ZerosWhereUnused, "leave .grad None", ["tensor("])
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_03_2_no_overlap_or_a_blocking_call_is_caught(runs_root):
     fails(checks.check_overlapped_ddp, AllInFinish, "started during backward")
     fails(checks.check_overlapped_ddp, Blocking, "async_op=True")
@@ -700,6 +708,7 @@ def test_03b_1_sync_batch_stats(runs_root, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_03b_1_typical_mistakes_and_bypasses(runs_root):
     fails(checks.check_sync_batch_stats, sums_of_squares, "nearly equal sums")
     fails(checks.check_sync_batch_stats, mean_of_means, "weighs every rank alike")
@@ -830,6 +839,7 @@ def test_03b_2_train_with_uneven_data(runs_root, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_03b_2_typical_mistakes_and_bypasses(runs_root):
     fails(checks.check_train_with_uneven_data, stop_at_the_first, "until the last rank runs out")
     fails(checks.check_train_with_uneven_data, divide_by_all, "ranks that still had a batch")
@@ -1175,6 +1185,7 @@ def test_05_3_mailbox(runs_root, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_05_3_typical_mistakes(runs_root):
     fails(checks.check_mailbox, SendsAtOnce, "on its own")
     fails(checks.check_mailbox, SendsBeforeTheReceive, "in the receive's own batch")
@@ -1182,6 +1193,7 @@ def test_05_3_typical_mistakes(runs_root):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_05_3_the_package_mailbox_is_refused(runs_root):
     from course_utils.pipeline import p2p
 
@@ -1303,6 +1315,7 @@ def test_07_3_groups(runs_root, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_07_3_typical_mistakes_and_bypasses(runs_root):
     fails(checks.check_groups, groups_swapped, "differ from")
     fails(checks.check_groups, groups_listed_not_made, "is not the ranks you listed")
@@ -1377,6 +1390,7 @@ def test_08_2_zero1_step(runs_root, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_08_2_typical_mistakes(runs_root):
     fails(checks.check_zero1_step, zero1_sum, "did you divide by n", ["tensor("])
     fails(
@@ -1529,6 +1543,7 @@ def test_08_3_zero3(runs_root, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_08_3_typical_mistakes_and_bypasses(runs_root):
     fails(checks.check_zero3, Zero3KeepsEverything, "free each unit")
     fails(checks.check_zero3, Zero3AllReduce, "needs no all-reduce")
@@ -1631,6 +1646,7 @@ def test_06_1_f_and_g(runs_root, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_06_1_typical_mistakes_and_bypasses(runs_root):
     from course_utils.tensor_parallel import comm
 
@@ -1758,6 +1774,7 @@ def test_06_3_vocab_parallel_cross_entropy(runs_root, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_06_3_typical_mistakes_and_bypasses(runs_root):
     from course_utils.tensor_parallel import loss
 
