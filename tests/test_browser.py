@@ -61,7 +61,10 @@ res = launch(ticking, 2)
 print("finished", res.results)""",
     f"""picker = plots.step_picker(analyse(load_traces({str(FIXTURES)!r})))""",
     """def sleeper(ctx):
-    open(f"{ctx.run_dir}/../sleeper{ctx.rank}.pid", "w").write(str(os.getpid()))
+    pid_file = f"{ctx.run_dir}/../sleeper{ctx.rank}.pid"
+    with open(pid_file + ".tmp", "w") as f:  # whole, then renamed: never read half written
+        f.write(str(os.getpid()))
+    os.replace(pid_file + ".tmp", pid_file)
     print("started", flush=True)
     time.sleep(300)
 

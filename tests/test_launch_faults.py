@@ -118,19 +118,22 @@ def test_ctrl_c_stops_every_rank(runs_root):
 def test_killed_launcher_leaves_no_orphan(tmp_path):
     """If the notebook kernel itself is killed, its ranks notice and exit."""
     code = textwrap.dedent("""
-        import time
+        import os, time
         from course_utils import launch
         def sleeper(ctx):
-            open(f"{ctx.run_dir}/../pid{ctx.rank}", "w").write(str(__import__("os").getpid()))
+            pid_file = f"{ctx.run_dir}/../pid{ctx.rank}"
+            with open(pid_file + ".tmp", "w") as f:  # whole, then renamed: never read half written
+                f.write(str(os.getpid()))
+            os.replace(pid_file + ".tmp", pid_file)
             time.sleep(120)
         launch(sleeper, 2, init_process_group=False)
     """)
     env = {**os.environ, "COURSE_RUNS_DIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
     deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+    while len(list(tmp_path.glob("pid[0-9]"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid[0-9]")]
     assert len(pids) == 2 and all(pid_alive(p) for p in pids)
     proc.kill()
     proc.wait()

@@ -124,7 +124,10 @@ def test_an_interrupt_shows_launch_notice_not_its_internals(runs_root, tmp_path)
         ),
         nbformat.v4.new_code_cell(
             """def sleeper(ctx):
-    open(os.path.join(PIDS, f"rank{ctx.rank}.pid"), "w").write(str(os.getpid()))
+    pid_file = os.path.join(PIDS, f"rank{ctx.rank}.pid")
+    with open(pid_file + ".tmp", "w") as f:  # written whole, then renamed: the test never
+        f.write(str(os.getpid()))  # reads a file the interrupt caught half written
+    os.replace(pid_file + ".tmp", pid_file)
     time.sleep(300)
 launch(sleeper, 2)"""
         ),
