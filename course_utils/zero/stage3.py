@@ -20,7 +20,7 @@ holds its shards plus the units being used: peak parameter memory ``Σψ/n + max
     model.full_parameters()                                  # name -> full tensor (all ranks)
 
 The modules keep their own ``nn.Parameter`` objects, so their code is unchanged; between uses
-their data is an empty tensor (``param.data`` swapped, as FSDP1 did). A parameter used by two
+their flat buffer's storage is resized to zero bytes (as FSDP does). A parameter used by two
 units (tied weights) belongs to the root unit, gathered for the whole step. Frozen parameters
 stay whole on every rank. Every rank must use the same parameters in a step (FSDP's rule).
 """

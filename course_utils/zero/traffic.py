@@ -4,7 +4,7 @@ The ZeRO paper (§7) counts a collective by the size of the buffer it works on: 
 an all-gather of ``Ψ`` elements moves ``Ψ``, an all-reduce ``2Ψ`` (a reduce-scatter then an
 all-gather). With a ring each rank actually sends ``(n−1)/n`` of that, which :attr:`sent` gives.
 Counting at the call site is the honest measure on gloo, which runs a reduce-scatter as an
-all-reduce (twice the bytes, pytorch issue 118911); on the wire, NCCL sends what :attr:`sent` says.
+all-reduce (twice the bytes, pytorch pull request 118911); on the wire, NCCL sends what :attr:`sent` says.
 
     with recording() as log:
         ...one training step...
