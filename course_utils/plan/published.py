@@ -124,8 +124,9 @@ PUBLISHED_RUNS = [
         pp=8,
         dp=16,
         zero="none (Megatron's distributed optimizer, ZeRO-1, in later versions)",
-        source="Narayanan et al. 2021 (arXiv:2104.04473), §5: GPT-3 175B on 1,024 A100s at batch "
-        "1,536, tensor parallelism of 8 inside each DGX, pipeline parallelism of 8 across them",
+        source="Narayanan et al. 2021 (arXiv:2104.04473), §5.1: GPT-3 175B on 1,024 A100s at batch "
+        "1,536; the layout is the paper's rule (tensor parallelism of 8 inside each DGX, a pipeline "
+        "across them) as its Table 1 applies it to the nearest model, 145.6 B (t = 8, p = 8)",
     ),
     PublishedRun(
         "Llama-3-style 8B on 8 H100",
