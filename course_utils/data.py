@@ -109,6 +109,13 @@ class SyntheticImages(Dataset):
         )
         self.ceiling = 1 - label_noise + label_noise / num_classes
 
+    def best_accuracy(self, indices=None) -> float:
+        """The share of these samples (all, or ``indices``) whose label is the class they show:
+        the accuracy of a model that always names the class each image shows; :attr:`ceiling` is its
+        expectation."""
+        keep = slice(None) if indices is None else torch.as_tensor(list(indices), dtype=torch.long)
+        return float((self.labels[keep] == self.classes[keep]).double().mean())
+
     def __len__(self) -> int:
         return self.n
 

@@ -223,7 +223,7 @@ def data_parallel_step(model, x, y, k, reduce=_reduce, threads=True):
     return loss.detach()
 
 
-def local_loss_step(model, x, y, k, weight=lambda xc, x, n: len(xc) / len(x)):
+def local_loss_step(model, x, y, k, weight=lambda xc, x, n: len(xc) / len(x), join=sum):
     import copy
     from concurrent.futures import ThreadPoolExecutor
 
@@ -234,12 +234,12 @@ def local_loss_step(model, x, y, k, weight=lambda xc, x, n: len(xc) / len(x)):
         r, (xc, yc) = a
         share = nn.functional.cross_entropy(r(xc), yc) * weight(xc, x, len(chunks))
         share.backward()
-        return share.detach()
+        return share.detach() if join is sum else share
 
     with ThreadPoolExecutor(len(chunks)) as pool:
         shares = list(pool.map(run, zip(replicas, chunks)))
     _reduce(model, replicas)
-    return sum(shares)
+    return join(shares)
 
 
 def test_02_1_data_parallel_step(capsys):
@@ -341,6 +341,16 @@ def test_02_bypasses_a_reviewer_found_are_caught():
 def test_02_2_local_loss_step(capsys):
     checks.check_local_loss_step(local_loss_step)
     assert "✓ exercise 02.2" in capsys.readouterr().out
+
+
+def test_02_2_the_replicas_losses_may_be_stacked(capsys):
+    """Joining the replicas' scalar losses (still attached to their graphs) gathers no outputs: a
+    right answer that returns torch.stack(shares).sum() passes (a reader's answer once failed)."""
+    for join in (lambda s: torch.stack(s).sum(), lambda s: torch.cat([x.view(1) for x in s]).sum()):
+        checks.check_local_loss_step(
+            lambda m, x, y, k, join=join: local_loss_step(m, x, y, k, join=join)
+        )
+        assert "✓ exercise 02.2" in capsys.readouterr().out
 
 
 def test_02_2_typical_mistakes():

@@ -133,6 +133,10 @@ def test_synthetic_is_deterministic_learnable_and_not_trivial():
     # a quarter of the labels redrawn at random (a tenth of those land on the true class again)
     flipped = (ds.labels != ds.classes).float().mean().item()
     assert abs(flipped - 0.25 * 0.9) < 0.05 and ds.ceiling == pytest.approx(0.775)
+    # the best a model can score on these very samples: the labels it could name, all or a subset
+    right = [ds[i][1] == int(ds.classes[i]) for i in range(len(ds))]
+    assert ds.best_accuracy() == pytest.approx(sum(right) / len(right))
+    assert ds.best_accuracy(range(3, 40)) == pytest.approx(sum(right[3:40]) / 37)
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1),

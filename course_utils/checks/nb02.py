@@ -103,9 +103,16 @@ class _Gathers(TorchFunctionMode):
             func in (torch.cat, torch.concat, torch.stack)
             and isinstance(out, torch.Tensor)
             and out.dim() > 0
-        ):
+            and not _all_scalars(args[0] if args else (kwargs or {}).get("tensors", ()))
+        ):  # stacking the replicas' scalar losses gathers no outputs
             self.events.append(("cat", out.shape[0], out.requires_grad))
         return out
+
+
+def _all_scalars(tensors) -> bool:
+    """Whether every tensor joined is one number (a replica's loss, not a chunk of outputs)."""
+    tensors = list(tensors) if isinstance(tensors, (list, tuple)) else []
+    return bool(tensors) and all(isinstance(t, torch.Tensor) and t.numel() == 1 for t in tensors)
 
 
 def _one_device(make, x, y):
