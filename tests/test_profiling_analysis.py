@@ -333,6 +333,36 @@ def test_collectives_fall_back_to_backend_events_then_kernels(tmp_path):
     assert collectives_per_step(t) == [1] and collectives_per_step(t, "all_gather") == [1]
 
 
+def test_collective_events_are_kernels_on_a_gpu_and_host_calls_on_cpu(tmp_path):
+    """Where a rank waits in a collective: on NCCL inside the kernel (the host call only queues
+    it), on gloo inside the host call. Notebook 04 splits exposed communication by these."""
+    from course_utils.profiling.analysis import collective_events
+
+    steps = [x("ProfilerStep#1", 0, 50_000, cat="user_annotation")]
+    cpu = steps + [
+        x("c10d::broadcast_", 1_000, 8_000),
+        x("gloo:broadcast", 1_100, 7_800, tid=2, cat="user_annotation"),
+        x("c10d::allreduce_", 20_000, 3_000),
+    ]
+    t = load_trace(write(tmp_path / "a" / "rank0.pt.trace.json", cpu, mkdir=True))
+    names = lambda mask: sorted(t.names[i] for i in t.name_id[mask])  # noqa: E731
+    assert names(collective_events(t, "broadcast")) == ["c10d::broadcast_", "gloo:broadcast"]
+    assert names(collective_events(t, "all_reduce")) == ["c10d::allreduce_"]
+    gpu = steps + [
+        x("c10d::broadcast_", 1_000, 20),
+        x("nccl:broadcast", 1_005, 10, cat="user_annotation"),
+        x("ncclDevKernel_Broadcast_RING_LL(x)", 1_030, 9_000, pid=0, tid=20, cat="kernel"),
+        x("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", 20_000, 500, pid=0, tid=20, cat="kernel"),
+    ]
+    t = load_trace(write(tmp_path / "b" / "rank0.pt.trace.json", gpu, mkdir=True))
+    assert names(collective_events(t, "broadcast")) == ["ncclDevKernel_Broadcast_RING_LL(x)"]
+    assert names(collective_events(t, "all_reduce")) == [
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)"
+    ]
+    with pytest.raises(ValueError, match="op must be one of"):
+        collective_events(t, "bcast")
+
+
 def _rank_paths(folder: Path) -> dict[int, Path]:
     return {int(p.name.split(".")[0].removeprefix("rank")): p for p in sorted(folder.iterdir())}
 

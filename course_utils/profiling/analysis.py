@@ -238,6 +238,23 @@ _KERNELS = {
 }
 
 
+def collective_events(trace: Trace, op: str) -> np.ndarray:
+    """Which events of ``trace`` are ``op`` collectives, where the breakdown counts communication.
+
+    In a trace with a GPU that is NCCL's kernels on the GPU streams: the host's ``c10d::`` and
+    ``nccl:`` events only span the microseconds it takes to queue a kernel, not the wait. In a
+    CPU trace it is the host's events (c10d's and gloo's), inside which gloo waits. A boolean mask
+    over the trace's events.
+    """
+    if op not in _OP_EVENTS:
+        raise ValueError(f"op must be one of {sorted(_OP_EVENTS)}, got {op!r}")
+    if trace.has_gpu:
+        ids = [i for i, n in enumerate(trace.names) if _KERNELS[op].match(n)]
+        return np.isin(trace.name_id, ids) & trace.lane_is_gpu[trace.lane]
+    names = _OP_EVENTS[op] + _BACKEND_EVENTS[op]
+    return np.isin(trace.name_id, [i for i, n in enumerate(trace.names) if n in names])
+
+
 def collectives_per_step(trace: Trace, op: str = "all_reduce") -> list[int]:
     """How many ``op`` collectives each recorded step issued, counted on **every** thread.
 
