@@ -29,6 +29,11 @@ help:
 	@echo "make test    unit + multi-process tests, then nbval over every notebook at the ci size"
 	@echo "make lint    ruff check + format check"
 	@echo "make doctor  what this node has: GPUs, interconnect, working backends, chosen size"
+	@echo "make test-fast       the tests that are neither slow nor notebooks, at the ci size"
+	@echo "make test-floor      those tests on the oldest torch the course supports (.venv-floor)"
+	@echo "make test-contended  every notebook at the ci size while two busy loops hold the cores"
+	@echo "make format  ruff format + ruff check --fix"
+	@echo "make clean   remove build/ and the tools' caches"
 
 setup: $(STAMP) $(KSPEC)
 
@@ -85,7 +90,7 @@ test: setup
 
 # The instructor's check of this node before a session (course_utils/preflight.py): doctor, an
 # all_reduce on every backend, the collective benchmark and every notebook at SIZE (default: gpu
-# with CUDA, else cpu). Report: $(PREFLIGHT_OUT)/preflight.md and .json.
+# when the notebooks' ranks would run on GPUs, one each or shared, else cpu). Report: $(PREFLIGHT_OUT)/preflight.md and .json.
 PREFLIGHT_OUT ?= build/preflight
 preflight: setup
 	$(PY) -m course_utils preflight --out $(PREFLIGHT_OUT) $(if $(SIZE),--size $(SIZE))
