@@ -13,7 +13,7 @@ KSPEC  := $(VENV)/share/jupyter/kernels/$(KERNEL)/kernel.json
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export JUPYTER_PATH := $(CURDIR)/$(VENV)/share/jupyter$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
 
-.PHONY: help setup hub-env lab update course student answers test test-fast test-floor test-contended preflight lint format doctor clean FORCE
+.PHONY: help setup hub-env lab update course student answers test test-fast test-floor test-contended preflight gpu-check lint format doctor clean FORCE
 COPIES ?= student
 
 help:
@@ -24,6 +24,7 @@ help:
 	@echo "make update  after git pull: refresh work/ (notebooks you edited are kept, new version beside)"
 	@echo "make course  execute every notebook headless into build/ (ipynb + html) with a timing table"
 	@echo "make preflight [SIZE=gpu]  check this node before a session: one report in build/preflight/"
+	@echo "make gpu-check [DRY=1]     every GPU measurement in one run (under 9 min on one H100): build/gpu-check/"
 	@echo "make student copies without solutions into build/student/ (exercises raise NotImplementedError)"
 	@echo "make answers copies with the model answers, markers removed, into build/answers/"
 	@echo "make test    unit + multi-process tests, then nbval over every notebook at the ci size"
@@ -94,6 +95,14 @@ test: setup
 PREFLIGHT_OUT ?= build/preflight
 preflight: setup
 	$(PY) -m course_utils preflight --out $(PREFLIGHT_OUT) $(if $(SIZE),--size $(SIZE))
+
+# Every GPU measurement of the course in one prepared run, each step with its own time limit
+# (scripts/gpu_check.py says which and why): report in $(GPU_CHECK_OUT)/gpu_check.md and .json.
+# DRY=1: the same steps on the CPU at the ci size (CI runs it). Without make, on a machine that
+# has torch but no venv: python3 scripts/gpu_check.py --out DIR [--wheels .whl] (scripts/gpu_wheels.sh).
+GPU_CHECK_OUT ?= build/gpu-check
+gpu-check: setup
+	$(PY) scripts/gpu_check.py --out $(GPU_CHECK_OUT) $(if $(filter 1 yes true,$(DRY)),--dry)
 
 # Every notebook at the ci size while two busy loops hold the cores (a shared node); see README.
 test-contended: setup

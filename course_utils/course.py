@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -84,19 +85,50 @@ class _Where:
             self.stream.flush()
 
 
-def execute(nb_path: Path, out_dir: Path, timeout: int = 1800) -> tuple[str, float, str]:
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def error_summary(e, width: int = 240) -> str:
+    """One line for a failed cell: ``AssertionError: the message``; for an assertion without a
+    message, the line that failed (``---> 48 assert any(...)``), colour codes removed."""
+    name = getattr(e, "ename", type(e).__name__)
+    value = _ANSI.sub("", str(getattr(e, "evalue", "") or "")).strip()
+    if not value:
+        arrows = [
+            line.strip()
+            for line in _ANSI.sub("", str(getattr(e, "traceback", "") or "")).splitlines()
+            if line.lstrip().startswith("--->") or line.lstrip().startswith("---->")
+        ]
+        value = arrows[-1] if arrows else ""
+    return f"{name}: {value}"[:width] if value else name
+
+
+def execute(
+    nb_path: Path,
+    out_dir: Path,
+    timeout: int = 1800,
+    *,
+    html: bool = True,
+    on_cell: Callable[[int], None] | None = None,
+) -> tuple[str, float, str]:
     """Run one notebook; return (status, seconds, error summary).
 
     The kernel's own output (debugger and transport warnings) and nbclient's log go to
-    ``out_dir/logs/NAME.kernel.log``, not into the table.
+    ``out_dir/logs/NAME.kernel.log``, not into the table. ``html=False`` writes only the executed
+    ``.ipynb`` (nbconvert need not be installed); ``on_cell(index)`` is called as each cell starts.
     """
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
-    from nbconvert import HTMLExporter
 
     nb = nbformat.read(nb_path, as_version=4)
     where = _Where(nb_path.stem, len(nb.cells))
+
+    def cell_started(cell_index: int | None = None, **kw) -> None:
+        where.cell(cell_index=cell_index, **kw)
+        if on_cell is not None and cell_index is not None:
+            on_cell(cell_index)
+
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log_file = open(logs / f"{nb_path.stem}.kernel.log", "w")  # noqa: SIM115 - closed below
@@ -105,7 +137,7 @@ def execute(nb_path: Path, out_dir: Path, timeout: int = 1800) -> tuple[str, flo
         timeout=timeout,
         kernel_name=nb.metadata.get("kernelspec", {}).get("name", "python3"),
         resources={"metadata": {"path": str(nb_path.parent)}},
-        on_cell_start=where.cell,
+        on_cell_start=cell_started,
     )
     handler = logging.StreamHandler(log_file)
     client.log.addHandler(handler)
@@ -115,7 +147,7 @@ def execute(nb_path: Path, out_dir: Path, timeout: int = 1800) -> tuple[str, flo
     try:
         client.execute(stdout=log_file, stderr=log_file)
     except CellExecutionError as e:
-        status, error = "FAILED", str(e).strip().splitlines()[-1][:200]
+        status, error = "FAILED", f"cell {where.count}: {error_summary(e)}"
     except Exception as e:  # kernel died, timeout: still write what ran
         status, error = "FAILED", f"{type(e).__name__}: {e}"[:200]
     finally:
@@ -124,8 +156,11 @@ def execute(nb_path: Path, out_dir: Path, timeout: int = 1800) -> tuple[str, flo
         log_file.close()
     seconds = time.perf_counter() - t0
     nbformat.write(nb, out_dir / nb_path.name)
-    html, _ = HTMLExporter().from_notebook_node(nb)
-    (out_dir / nb_path.with_suffix(".html").name).write_text(html, encoding="utf-8")
+    if html:
+        from nbconvert import HTMLExporter
+
+        page, _ = HTMLExporter().from_notebook_node(nb)
+        (out_dir / nb_path.with_suffix(".html").name).write_text(page, encoding="utf-8")
     return status, seconds, error
 
 

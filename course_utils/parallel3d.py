@@ -124,7 +124,9 @@ def batches(cfg: GPTConfig, global_batch: int, steps: int, seed: int = 0, device
     out = []
     for _ in range(steps):
         ids = torch.randint(cfg.vocab, (global_batch, cfg.seq_len + 1), generator=gen)
-        out.append((ids[:, :-1].to(device), ids[:, 1:].to(device)))
+        # contiguous, as a data loader hands them out: torch.distributed.pipelining (2.11) checks
+        # a stage's input strides against its first micro-batch's and refuses a shifted view
+        out.append((ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)))
     return out
 
 

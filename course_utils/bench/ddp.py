@@ -65,13 +65,17 @@ def step_time_worker(
     return statistics.median(times)
 
 
-def run(world_size: int = 2, rounds: int = 5, **worker_kwargs) -> dict:
+def run(world_size: int = 2, rounds: int = 5, device: str = "auto", **worker_kwargs) -> dict:
+    """Alternate launches of ours and torch's ``rounds`` times; ``device`` goes to ``launch``
+    (``"auto"``: GPUs, one each or shared, else CPU ranks), ``worker_kwargs`` to the worker."""
     from ..launcher import launch
 
     samples: dict[str, list[float]] = {"ours": [], "torch": []}
     for i in range(rounds):
         for impl in ("ours", "torch") if i % 2 == 0 else ("torch", "ours"):
-            res = launch(step_time_worker, world_size, impl=impl, echo=False, **worker_kwargs)
+            res = launch(
+                step_time_worker, world_size, impl=impl, device=device, echo=False, **worker_kwargs
+            )
             samples[impl].append(max(res.results))  # the slowest rank sets the pace
     med = {k: statistics.median(v) for k, v in samples.items()}
     return {
@@ -81,6 +85,7 @@ def run(world_size: int = 2, rounds: int = 5, **worker_kwargs) -> dict:
         "median_step_s": med,
         "throughput_ratio": med["torch"] / med["ours"],
         "backend": res.backend,
+        "device": res.device,
         **provenance(),
         "config": {
             "batch_per_rank": 64,

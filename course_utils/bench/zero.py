@@ -21,7 +21,8 @@ import torch
 from torch.nn import functional as F
 
 from ..compat import fsdp2_unsupported
-from ..measure import time_steps
+from ..launcher import placement
+from ..measure import allocated_memory, time_steps
 from ..models import GPT, GPTConfig
 from ..zero import count_model_states, model_state_bytes, traffic
 from ..zero.run import wrap
@@ -61,7 +62,14 @@ def step_worker(ctx, method: str, **c) -> dict:
     times = time_steps(step, c["steps"], c["warmup"], ctx.device)
     with traffic.recording() as log:
         step()
-    return {"s": statistics.median(times), "states": states["now"], "volume": log.volume_bytes}
+    return {
+        "s": statistics.median(times),
+        "states": states["now"],
+        "volume": log.volume_bytes,
+        # on a GPU, what the CUDA allocator holds after the step (the batch, workspaces and any
+        # buffers the method keeps included; None on the CPU)
+        "allocated": allocated_memory(ctx.device),
+    }
 
 
 def run(
@@ -72,9 +80,8 @@ def run(
     c = {**DEFAULTS, **sizes}
     psi = sum(p.numel() for p in GPT(_config(c)).parameters())
     rows, backend, skipped = [], None, {}
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for n in world_sizes:
-        device_type = device if device != "auto" else ("cuda" if n_gpu >= n else "cpu")
+        device_type = placement.plan(n, device=device).device_type  # where launch will put them
         if "fsdp2" in methods and fsdp2_unsupported(device_type):
             skipped["fsdp2"] = fsdp2_unsupported(device_type)
         methods_n = tuple(m for m in methods if m not in skipped)
@@ -94,6 +101,8 @@ def run(
                 "states_bytes": max(r["states"] for r in last[m]),
                 "formula_bytes": model_state_bytes(psi, n, STAGE[m], k=8, param_bytes=4, grad_bytes=4),
                 "volume_per_psi": max(r["volume"] for r in last[m]) / (4 * psi),
+                "allocated_bytes": None if last[m][0]["allocated"] is None
+                else max(r["allocated"] for r in last[m]),
             })  # fmt: skip
     return {"world_sizes": list(world_sizes), "rounds": rounds, "backend": backend, "psi": psi,
             "rows": rows, "skipped": skipped, "config": {**c, "dtype": "float32", "optimizer": "Adam"},
@@ -110,6 +119,7 @@ def ratio(r: dict, n: int, a: str = "fsdp2", b: str = "zero3") -> float | None:
 
 def table(r: dict) -> str:
     c, mib = r["config"], 2**20
+    gpu = any(row.get("allocated_bytes") is not None for row in r["rows"])
     out = [
         f"GPT (h={c['d_model']}, L={c['n_layers']}, v={c['vocab']}, s={c['seq_len']}, "
         f"Ψ={r['psi']:,}, float32 Adam), {c['batch_per_rank']} sequences per rank, {r['backend']}, "
@@ -117,16 +127,19 @@ def table(r: dict) -> str:
         f"{r['machine']}, {r['date']}",
         "",
         "| n | method | step ms (median, range) | model states / rank MiB | formula MiB | "
-        "measured / formula | sent per step (×Ψ bytes) |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        "measured / formula | sent per step (×Ψ bytes) |"
+        + (" CUDA allocator / rank MiB |" if gpu else ""),
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if gpu else ""),
     ]
     for row in r["rows"]:
         s = row["samples_ms"]
         vol = f"{row['volume_per_psi']:.2f}" if row["volume_per_psi"] else "(torch's own)"
+        held = row.get("allocated_bytes")
         out.append(
             f"| {row['n']} | {row['method']} | {row['median_ms']:.1f} ({min(s):.1f}-{max(s):.1f}) | "
             f"{row['states_bytes'] / mib:.2f} | {row['formula_bytes'] / mib:.2f} | "
             f"{row['states_bytes'] / row['formula_bytes']:.3f} | {vol} |"
+            + (f" {held / mib:.2f} |" if gpu else "")
         )
     for n in r["world_sizes"]:
         q = ratio(r, n)
