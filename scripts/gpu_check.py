@@ -27,9 +27,9 @@ throughput          90 s   notebook 01's table: fp32, channels_last, bf16 autoca
 memory              30 s   the CUDA allocator against the formulas: 01's 16Ψ with Adam, 06's
                            activations of one layer (Korthikanti et al., Table 2)
 trace               45 s   a profiled DDP run: the course's breakdown and HTA's side by side
+zero                60 s   ``bench zero`` at a small size, the allocator beside the ZeRO formula
 ddp                 45 s   from-scratch ``BucketedDDP`` against torch DDP on NCCL, alternating
 tp                  30 s   ``bench tp`` at a small size (ratio where two ranks fit on the GPUs)
-zero                60 s   ``bench zero`` at a small size, the allocator beside the ZeRO formula
 ==================  =====  ==========================================================================
 
 That is at most 585 s if every step used its whole limit; ``--budget`` (default 540 s) caps the
@@ -115,12 +115,12 @@ STEPS = [
     Step("throughput", 90, "throughput", "notebook 01's throughput table"),
     Step("memory", 30, "memory", "CUDA allocator against the formulas (01, 06)"),
     Step("trace", 45, "trace", "a DDP step's trace: the course's analysis and HTA"),
+    Step("zero", 60, "zero", "bench zero at a small size, allocator against the formula"),
     Step("ddp", 45, "ddp", "from-scratch DDP against torch DDP"),
     Step("tp", 30, "tp", "bench tp at a small size"),
-    Step("zero", 60, "zero", "bench zero at a small size, allocator against the formula"),
 ]
-GROUPS = [["versions"], ["tests", "notebooks"], ["throughput"], ["memory"], ["trace"], ["ddp"],
-          ["tp"], ["zero"]]  # fmt: skip
+GROUPS = [["versions"], ["tests", "notebooks"], ["throughput"], ["memory"], ["trace"], ["zero"],
+          ["ddp"], ["tp"]]  # fmt: skip
 """Steps in one group run at the same time (tests beside the notebooks); groups run in turn, so
 that the timed figures have the GPU and the cores to themselves."""
 
