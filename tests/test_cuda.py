@@ -160,7 +160,10 @@ def test_gpu_trace_has_kernels_and_analyses(runs_root):
     a = analyse(traces)
     for b in a.steps:
         assert b.compute > 0
-        assert abs(b.compute + b.communication + b.data + b.optimizer + b.idle - b.step_ms) < 1e-3
+        assert (
+            abs(b.compute + b.memory + b.communication + b.data + b.optimizer + b.idle - b.step_ms)
+            < 1e-3
+        )
 
 
 def test_ddp_script_under_torchrun_with_nccl_and_amp(tmp_path):

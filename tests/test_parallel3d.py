@@ -13,6 +13,7 @@ from course_utils.compat import fsdp2_unsupported
 from course_utils.models import GPT, GPTConfig
 from course_utils.parallel3d import (
     GPTStage,
+    batches,
     check_shape,
     compose_worker,
     stage_bounds,
@@ -239,3 +240,13 @@ def test_the_device_mesh_has_its_dimensions_in_the_order_its_names_say(runs_root
         for dim in DIMS3:
             assert r["ranks"][dim] in d.group_ranks(dim) and rank in r["ranks"][dim], (dim, r)
             assert len(r["ranks"][dim]) == {"pp": pp, "dp": dp, "tp": tp}[dim]
+
+
+def test_batches_are_contiguous_next_token_pairs():
+    """``y`` is ``x`` shifted by one, and both are contiguous: torch 2.11's pipelining checks a
+    stage's input strides and refused the views ``ids[:, :-1]`` (notebook 07 on that torch)."""
+    cfg = GPTConfig(vocab=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+    for x, y in batches(cfg, global_batch=4, steps=2):
+        assert x.shape == y.shape == (4, 16)
+        assert x.is_contiguous() and y.is_contiguous()
+        assert torch.equal(x[:, 1:], y[:, :-1])

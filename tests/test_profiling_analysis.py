@@ -101,7 +101,7 @@ def test_committed_cpu_gloo_fixture():
     assert a.clock.startswith("shared clock")
     for b in a.steps:
         assert b.comm_total > 0, "gloo collectives must be found on every rank"
-        parts = b.compute + b.communication + b.data + b.optimizer + b.idle
+        parts = b.compute + b.memory + b.communication + b.data + b.optimizer + b.idle
         assert parts == pytest.approx(b.step_ms, abs=1e-6)
     assert "overlap" in a.table()
 

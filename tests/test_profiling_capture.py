@@ -45,7 +45,7 @@ def test_profiled_ddp_run_breakdown_adds_up(runs_root, capfd):
     assert a.step_numbers() == [2, 3, 4] and a.ranks() == [0, 1]
     for b in a.steps:
         assert b.comm_total > 0, f"no communication found on rank {b.rank}"
-        total = b.compute + b.communication + b.data + b.optimizer + b.idle
+        total = b.compute + b.memory + b.communication + b.data + b.optimizer + b.idle
         assert total == pytest.approx(b.step_ms, abs=1e-3)  # 1 µs: the classes partition the step
         assert b.compute > 0 and b.data > 0 and b.optimizer > 0
     # Kineto's noise stays in the rank's log, out of the student's cell

@@ -67,7 +67,12 @@ def check_route(route) -> None:
                 fail("10.1", f"with {where}, the kept assignments differ: an expert takes "
                      "ceil(capacity_factor · T·k / E) of them, every token's first choice in "
                      "token order before any second choice; None means no limit")  # fmt: skip
-            if not torch.is_tensor(aux) or abs(float(aux) - float(want.aux_loss)) > 1e-12:
+            # detached: torch warns when a tensor that needs a gradient becomes a Python float
+            got_aux = float(aux.detach()) if torch.is_tensor(aux) else None
+            if (
+                got_aux is None
+                or abs(got_aux - float(torch.as_tensor(want.aux_loss).detach())) > 1e-12
+            ):
                 fail("10.1", f"with {where}, the load-balancing loss differs: E · sum_i f_i · "
                      "P_i, f_i the share of the T·k assignments (before dropping), P_i the mean "
                      "probability")  # fmt: skip

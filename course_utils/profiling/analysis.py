@@ -81,7 +81,8 @@ def _inside(points: np.ndarray, u: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
 
 @dataclass
 class StepBreakdown:
-    """One rank's step, in milliseconds. ``compute + communication + data + optimizer + idle == step``;
+    """One rank's step, in milliseconds. ``compute + memory + communication + data + optimizer +
+    idle == step`` (memory: copies and fills on a GPU, nothing on the CPU);
     ``communication`` is the exposed part, ``comm_total`` includes what overlapped with compute."""
 
     rank: int
