@@ -146,6 +146,35 @@ class Timing:
         )
 
 
+def worst(values) -> float:
+    """The largest of ``values`` (0.0 for none), and NaN if any is NaN: Python's ``max`` keeps a
+    NaN only when it comes first, so a parity check built on it would pass a result that is NaN
+    everywhere but its first entry. Compare the result as ``not worst(...) <= tol``."""
+    out = 0.0
+    for v in values:
+        v = float(v)
+        if v != v:
+            return float("nan")
+        out = max(out, v)
+    return out
+
+
+def max_abs_diff(pairs) -> float:
+    """``worst`` of ``|a - b|`` over the ``(a, b)`` tensor pairs: NaN when either holds a NaN."""
+    return worst(float((a.detach() - b.detach()).abs().max()) for a, b in pairs)
+
+
+def verdict(a: Timing, b: Timing) -> str:
+    """``"faster"``, ``"slower"`` or ``"no clear difference"``: ``a`` against ``b``, called faster
+    only when every quartile of ``a`` lies below ``b``'s (its 75th percentile under ``b``'s 25th),
+    slower the other way round; overlapping middles conclude nothing."""
+    if a.q3 < b.q1:
+        return "faster"
+    if a.q1 > b.q3:
+        return "slower"
+    return "no clear difference"
+
+
 def _quantile(xs, q: float) -> float:
     xs = sorted(xs)
     pos = q * (len(xs) - 1)

@@ -20,6 +20,7 @@ whole student copy as a student would. ``COURSE_NBVAL_STUDENT=0`` turns it off.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,12 @@ def pytest_runtest_call(item):
     restore_error = _execute(kernel, _RESTORE, timeout)
     assert restore_error is None, restore_error
     assert error is not None, f"the student copy of this cell ran without error; {name} must fail"
+    other = re.search(r"exercise (\d\d[a-z]?\.\d+)", error or "")
+    assert not (error.startswith("NotImplementedError") and other and name not in error), (
+        f"the student copy of this cell stopped at exercise {other.group(1) if other else '?'}'s "
+        f"stub, before {name!r}: it uses another exercise's answer, so a student who has not "
+        f"done that one cannot do this one ({error!r})"
+    )
     assert error.startswith("NotImplementedError") and name in error, (
         f"the student copy of this cell failed with {error!r}, not with NotImplementedError "
         f"naming {name!r}"

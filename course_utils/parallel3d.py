@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from .measure import synchronize
+from .measure import max_abs_diff, synchronize
 from .models import GPT, GPTConfig
 from .topology import Groups, ParallelDims
 
@@ -167,7 +167,7 @@ def _loss_diff(losses: list[float], group, dp: int, ref_loss: float, device) -> 
 
 
 def _max_diff(pairs) -> float:
-    return max((float((a - b).detach().abs().max()) for a, b in pairs), default=0.0)
+    return max_abs_diff(pairs)  # NaN if any difference is NaN
 
 
 def compose_worker(

@@ -623,6 +623,7 @@ def step_throughput(out: Path) -> dict:
         peak_memory,
         reset_peak_memory,
         saved_activations,
+        verdict,
     )
     from course_utils.models import SmallResNet
     from course_utils.precision import choose
@@ -681,14 +682,12 @@ def step_throughput(out: Path) -> dict:
         ref = timing["fp32"]
         rows, table = [], []
         for name, t in timing.items():
-            verdict = (
-                "faster" if t.q3 < ref.q1 else "slower" if t.q1 > ref.q3 else "no clear difference"
-            )
+            said = verdict(t, ref)
             e = extra.get(name, {})
             rows.append({"config": name, "images_per_s": t.rate(size.batch_size),
                          "median_ms": t.median * 1e3, "q1_ms": t.q1 * 1e3, "q3_ms": t.q3 * 1e3,
                          "vs_fp32": ref.median / t.median,
-                         "verdict": verdict if name != "fp32" else "-", **e})  # fmt: skip
+                         "verdict": said if name != "fp32" else "-", **e})  # fmt: skip
             table.append([name, f"{t.rate(size.batch_size):,.0f}",
                           f"{t.median * 1e3:.2f} [{t.q1 * 1e3:.2f}, {t.q3 * 1e3:.2f}]",
                           f"{ref.median / t.median:.2f}x", rows[-1]["verdict"],

@@ -53,3 +53,33 @@ def test_bench_collectives_cli(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["world_size"] == 2 and {r["bytes"] for r in report["rows"]} == {1024, 4096}
+
+
+def _one_rank_late(ctx, delay: float):
+    """The collective benchmark with rank 1 sleeping ``delay`` after each of its calls: rank 1's
+    loop then takes ``iters × delay`` and rank 0's one ``delay`` less (its last call returns as
+    soon as rank 1 joins it)."""
+    import time
+
+    from course_utils.profiling import collectives
+
+    real = collectives._make_call
+
+    def make(op, numel, n, device):
+        call = real(op, numel, n, device)
+        return (lambda: (call(), time.sleep(delay))) if ctx.rank == 1 else call
+
+    collectives._make_call = make
+    return collectives.bench_worker(ctx, ops=("all_reduce",), sizes=(1024,), iters=2, warmup=0)
+
+
+@pytest.mark.multiprocess
+def test_the_collective_benchmark_reports_the_slowest_rank(runs_root):
+    """Per call: the slowest rank's time (the delay), not the sum (1.5x) nor the fastest (0.5x)."""
+    from course_utils import launch
+
+    delay = 0.25
+    res = launch(_one_rank_late, 2, delay=delay, echo=False, timeout=60).results
+    for out in res:  # every rank reports the same, all-reduced, time
+        [row] = out["rows"]
+        assert 0.95 * delay <= row["time_us"] / 1e6 <= 1.3 * delay, row

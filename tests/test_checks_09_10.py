@@ -3,6 +3,7 @@ copies of it, the library ops that would do the work, and the typical mistakes, 
 
 from __future__ import annotations
 
+import ast
 import inspect
 import math
 import textwrap
@@ -28,9 +29,14 @@ def fails(check, answer, hint: str) -> str:
     return str(info.value)
 
 
-def pasted(fn, name):
-    """``fn``'s source pasted under another name, as a student might copy it from the package."""
+def pasted(fn, name, docstring: bool = True):
+    """``fn``'s source pasted under another name, as a student might copy it from the package
+    (``docstring=False``: without its docstring)."""
     src = textwrap.dedent(inspect.getsource(fn)).replace(f"def {fn.__name__}(", f"def {name}(")
+    if not docstring and fn.__doc__:
+        tree = ast.parse(src)
+        tree.body[0].body = tree.body[0].body[1:]  # the docstring is the first statement
+        src = ast.unparse(tree)
     ns = dict(vars(inspect.getmodule(fn)))
     exec(compile(src, "<cell>", "exec"), ns)
     return ns[name]
@@ -70,6 +76,7 @@ def test_09_1_merge(capsys):
     assert "✓ exercise 09.1" in capsys.readouterr().out
     fails(checks.check_merge, cp_softmax.merge, "package's merge")
     fails(checks.check_merge, pasted(cp_softmax.merge, "my_merge"), "package's merge")
+    fails(checks.check_merge, pasted(cp_softmax.merge, "my_merge", docstring=False), "package's")
     fails(checks.check_merge, merge_nan_on_blind_rows, "lse = -inf")
     fails(checks.check_merge, merge_by_exp_sums, "inf or nan")
     fails(checks.check_merge, merge_unweighted, "weight each block's output")

@@ -19,8 +19,10 @@ from course_utils.context_parallel import (
     work_per_rank,
 )
 from course_utils.context_parallel.apply import cp_parity_worker
-from course_utils.context_parallel.comm import seq_to_head
+from course_utils.context_parallel.comm import Ring, seq_to_head
+from course_utils.context_parallel.ring import ring_attention
 from course_utils.context_parallel.softmax import causal_block_attention
+from course_utils.context_parallel.ulysses import allgather_attention, ulysses_attention
 from course_utils.models import GPT, GPTConfig
 from course_utils.tensor_parallel.measure import CollectiveCounter, ring_bytes
 
@@ -129,17 +131,59 @@ def test_ring_ulysses_allgather_equal_one_process_and_send_what_the_formulas_say
             assert sent == pytest.approx(want), (rank, method, sent, want)
 
 
-def _ulysses_heads_worker(ctx):
+def _refusals_worker(ctx):
+    out = {}
     try:
         seq_to_head(torch.zeros(1, 3, 4, 2, device=ctx.device), None)
+        out["heads"] = "accepted"
     except ValueError as e:
-        return str(e)
-    return "accepted"
+        out["heads"] = str(e)
+    # 7 tokens split 4 + 3: the ranks would post receives of different sizes (gloo aborts)
+    pos = [torch.arange(0, 4), torch.arange(4, 7)]
+    q = torch.randn(1, 2, len(pos[ctx.rank]), 4, device=ctx.device)
+    for name, fn in (("ring", ring_attention), ("ulysses", ulysses_attention),
+                     ("allgather", allgather_attention)):  # fmt: skip
+        try:
+            fn(q, q, q, pos, None, True)
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = str(e)
+    dist.barrier()  # every rank got here: none is stuck in a collective
+    return out
 
 
-def test_ulysses_refuses_heads_the_degree_does_not_divide(runs_root):
-    msg = launch(_ulysses_heads_worker, 2, echo=False).results[0]
-    assert "H=3 heads" in msg and "divides 3" in msg
+def test_refusals_ulysses_heads_and_unequal_shards_on_every_rank(runs_root):
+    res = launch(_refusals_worker, 2, echo=False, timeout=60).results
+    assert "H=3 heads" in res[0]["heads"] and "divides 3" in res[0]["heads"]
+    for out in res:
+        for name in ("ring", "ulysses", "allgather"):
+            assert "the same number of tokens on every rank" in out[name], (name, out[name])
+            assert "4, 3 tokens to ranks 0..1" in out[name]
+
+
+def _ring_worker(ctx):
+    """A ring over the world (4 ranks) and over ranks 1, 2, 3 (a group of 3, whose neighbours
+    are global ranks other than the group ranks): each rank sends its own rank."""
+    sub = dist.new_group([1, 2, 3])
+    got = {}
+    for name, group in (("world", None), ("sub", sub)):
+        if group is not None and ctx.rank == 0:
+            continue
+        ring = Ring(group)
+        (buf,) = ring.start(torch.tensor([float(ctx.rank)], device=ctx.device))
+        ring.wait()
+        got[name] = {"next": ring.next, "prev": ring.prev, "received": int(buf.item())}
+    return got
+
+
+def test_the_ring_sends_to_the_next_global_rank_and_receives_from_the_previous(runs_root):
+    res = launch(_ring_worker, 4, echo=False, timeout=60).results
+    for r, got in enumerate(res):
+        assert got["world"] == {"next": (r + 1) % 4, "prev": (r - 1) % 4, "received": (r - 1) % 4}
+    members = [1, 2, 3]  # in a group of 3, next and previous are different ranks
+    for i, r in enumerate(members):
+        prev, nxt = members[(i - 1) % 3], members[(i + 1) % 3]
+        assert res[r]["sub"] == {"next": nxt, "prev": prev, "received": prev}
 
 
 @pytest.mark.parametrize(

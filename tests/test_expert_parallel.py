@@ -18,6 +18,7 @@ from course_utils.expert_parallel import (
     moe_params,
     route,
 )
+from course_utils.expert_parallel.router import capacity
 from course_utils.expert_parallel.run import ep_parity_worker
 from course_utils.tensor_parallel.measure import CollectiveCounter
 
@@ -82,14 +83,18 @@ def test_mixtral_total_and_active_parameters():
 
 
 @pytest.mark.parametrize(
-    "world_size,ep,capacity_factor",
-    [(2, 2, None), (2, 2, 1.0), (4, 4, None), (4, 2, None), (4, 2, 1.0), (2, 1, None)],
-)
+    "world_size,ep,capacity_factor,tokens",
+    [(2, 2, None, 12), (2, 2, 1.0, 12), (4, 4, None, 12), (4, 2, None, 12), (4, 2, 1.0, 12),
+     (2, 1, None, 12), (3, 3, 1.0, 0)],
+)  # fmt: skip
 def test_expert_parallel_alone_and_with_dp_equals_one_process(
-    runs_root, world_size, ep, capacity_factor
+    runs_root, world_size, ep, capacity_factor, tokens
 ):
-    cfg = MoEConfig(d_model=8, n_experts=4, top_k=2, capacity_factor=capacity_factor)
-    res = launch(ep_parity_worker, world_size, cfg=cfg, ep=ep, echo=False).results
+    """Rank r trains on ``tokens + r`` tokens: with ``tokens=0`` rank 0 has none, and its
+    load-balancing loss (in the loss) must add nothing, not NaN."""
+    cfg = MoEConfig(d_model=8, n_experts=4 if ep != 3 else 3, top_k=2,
+                    capacity_factor=capacity_factor)  # fmt: skip
+    res = launch(ep_parity_worker, world_size, cfg=cfg, ep=ep, tokens=tokens, echo=False).results
     for out in res:
         assert out["loss"] < TOL and out["params"] < TOL, out
     if ep > 1:  # the experts' loads differ (uneven batches, random routing)
@@ -167,3 +172,29 @@ def _refuse_worker(ctx):
 
 def test_apply_ep_refuses_experts_the_group_cannot_split(runs_root):
     assert "E=3" in launch(_refuse_worker, 2, echo=False).results[0]
+
+
+def test_capacity_rounds_up_a_fraction_but_not_a_rounding_error():
+    assert capacity(10, 4, 1, 1.25) == 4  # 3.125 places: rounded up
+    assert capacity(50, 5, 1, 1.1) == 11  # 1.1 · 50 / 5 = 11, though floats give 11.000000000000002
+    assert capacity(50, 5, 2, 1.1) == 22 and capacity(100, 5, 1, 1.1) == 22
+    assert capacity(7, 3, 1, 1.25) == 3 and capacity(12, 4, 2, None) is None
+    logits = torch.zeros(50, 5)
+    logits[:, 0] = 1.0  # every token's first choice is expert 0
+    r = route(logits, k=1, capacity_factor=1.1)
+    assert r.capacity == 11 and int(r.keep.sum()) == 11
+
+
+def test_route_of_no_tokens_has_a_zero_aux_loss_that_keeps_the_graph():
+    logits = torch.zeros(0, 4, requires_grad=True)
+    r = route(logits, k=2, capacity_factor=1.0)
+    assert r.experts.shape == (0, 2) and r.counts.tolist() == [0, 0, 0, 0]
+    assert float(r.aux_loss.detach()) == 0.0 and r.aux_loss.requires_grad
+    r.aux_loss.backward()
+    assert logits.grad is not None and logits.grad.shape == (0, 4)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5])
+def test_moe_config_refuses_a_capacity_factor_that_is_not_positive(bad):
+    with pytest.raises(ValueError, match=f"capacity_factor must be > 0, got {bad}"):
+        MoEConfig(capacity_factor=bad)

@@ -208,18 +208,24 @@ def test_torch_native_3d_equals_one_process(runs_root):
             assert r["mesh_ranks"][dim] in d.group_ranks(dim) and rank in r["mesh_ranks"][dim]
 
 
-DIMS3 = ("pp", "dp", "tp")
+MESHES = [(1, 2, 2, 1), (2, 1, 2, 1), (4, 1, 1, 1), (1, 4, 1, 1), (1, 1, 1, 4), (2, 1, 1, 2),
+          (1, 1, 2, 2)]  # fmt: skip
+"""(dp, pp, tp, cp) on 4 ranks: unequal degrees tell the dimensions apart (dp = 1, cp = 4: a swap
+of dp and cp would give mesh["cp"] one rank)."""
 
 
-def _mesh_groups(ctx, dp, pp, tp):
+def _mesh_groups(ctx):
     import torch.distributed as dist
 
-    mesh = ParallelDims(dp, pp, tp, world_size=ctx.world_size).mesh("cpu")
-    return {
-        "shape": tuple(mesh.shape),
-        "names": tuple(mesh.mesh_dim_names),
-        "ranks": {d: sorted(dist.get_process_group_ranks(mesh[d].get_group())) for d in DIMS3},
-    }
+    out = []
+    for dp, pp, tp, cp in MESHES:  # every mesh in one launch: one set-up of the ranks
+        mesh = ParallelDims(dp, pp, tp, world_size=ctx.world_size, cp=cp).mesh("cpu")
+        names = tuple(mesh.mesh_dim_names)
+        out.append({
+            "shape": tuple(mesh.shape), "names": names,
+            "ranks": {d: sorted(dist.get_process_group_ranks(mesh[d].get_group())) for d in names},
+        })  # fmt: skip
+    return out
 
 
 @pytest.mark.multiprocess
@@ -229,17 +235,20 @@ def _mesh_groups(ctx, dp, pp, tp):
     "2026-11-26: connectFullMesh 'Connection closed by peer'); the mesh's order is ours, "
     "tested on the pinned torch",
 )
-@pytest.mark.parametrize("dp, pp, tp", [(1, 2, 2), (2, 1, 2), (4, 1, 1), (1, 4, 1)])
-def test_the_device_mesh_has_its_dimensions_in_the_order_its_names_say(runs_root, dp, pp, tp):
-    """A mesh of shape (dp, pp, tp) named ("pp", "dp", "tp") still builds groups that look right
-    when dp == pp. Unequal degrees tell them apart: mesh["pp"] must span pp ranks."""
-    res = launch(_mesh_groups, 4, dp=dp, pp=pp, tp=tp, device="cpu", echo=False, timeout=120)
-    d = ParallelDims(dp, pp, tp)
-    for rank, r in enumerate(res.results):
-        assert r["shape"] == (pp, dp, tp) and r["names"] == DIMS3
-        for dim in DIMS3:
-            assert r["ranks"][dim] in d.group_ranks(dim) and rank in r["ranks"][dim], (dim, r)
-            assert len(r["ranks"][dim]) == {"pp": pp, "dp": dp, "tp": tp}[dim]
+def test_the_device_mesh_has_its_dimensions_in_the_order_its_names_say(runs_root):
+    """A mesh of shape (pp, dp, tp), or (pp, dp, cp, tp), named in that order, builds groups that
+    look right even when two degrees are equal; unequal degrees tell them apart: mesh["pp"] must
+    span pp ranks, mesh["cp"] cp ranks."""
+    res = launch(_mesh_groups, 4, device="cpu", echo=False, timeout=120).results
+    for (dp, pp, tp, cp), *per_rank in zip(MESHES, *res):
+        d = ParallelDims(dp, pp, tp, cp=cp)
+        degree = {"pp": pp, "dp": dp, "tp": tp, "cp": cp}
+        for rank, r in enumerate(per_rank):
+            want = ("pp", "dp", "tp") if cp == 1 else ("pp", "dp", "cp", "tp")
+            assert r["names"] == want and r["shape"] == tuple(degree[n] for n in want)
+            for dim in want:
+                assert r["ranks"][dim] in d.group_ranks(dim) and rank in r["ranks"][dim], (dim, r)
+                assert len(r["ranks"][dim]) == degree[dim], ((dp, pp, tp, cp), dim, r)
 
 
 def test_batches_are_contiguous_next_token_pairs():

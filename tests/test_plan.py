@@ -515,3 +515,20 @@ def test_practitioners_picks_for_small_models():
     eight = plan(gpt8, A100_80GB, 8)[0].choice
     assert (eight.pp, eight.tp, eight.dp) == (1, 1, 8) and eight.zero >= 1
     assert math.isclose(plan(gpt8, A100_80GB, 8)[0].memory["limit"], 72e9)
+
+
+def test_fewer_micro_batches_than_stages_hold_only_those_in_flight():
+    # p=4, m=2: b = 8/2 = 4 sequences, one layer per stage; the first stage holds min(p, m) = 2
+    # micro-batches at its peak, not p = 4: there are only two to hold
+    pred = predict(SMALL, BIG, Choice(dp=1, pp=4, tp=1, micro_batches=2), **PLAIN)
+    sbh = 32 * 4 * 64
+    assert pred.detail["activations_first"] == 1 * 2 * sbh * 44  # sbh(34 + 5as/h), as/h = 2
+
+
+def test_explain_states_the_interleaved_bubble_with_v():
+    m = Transformer(layers=8, hidden=64, heads=4, seq_len=32, vocab=128, global_batch=16,
+                    vocab_multiple=1)  # fmt: skip
+    c = Choice(1, 4, 1, 0, 8, 2)  # p=4, m=8, v=2: (p-1)/(v·m+p-1) = 3/19
+    text = explain(predict(m, BIG, c, **PLAIN), m, BIG)
+    assert f"= {3 / 19:.1%} of the step" in text and "15.8%" in text
+    assert f"{3 / 11:.1%}" not in text  # what the bubble would be without interleaving

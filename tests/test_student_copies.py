@@ -34,6 +34,17 @@ def double(x):
 
 
 check(double)"""
+EXERCISE_2 = """# Exercise 90.2: six times
+def six_times(x):
+    ### BEGIN SOLUTION
+    return 6 * x
+    ### END SOLUTION
+
+
+try:
+    assert six_times(2) == 12
+except NotImplementedError:  # a fallback on exercise 90.1's answer: in the student copy, its stub
+    print(3 * double(2))"""
 CASES = {
     # name: (cells, the nbval cell that must fail or None, what its failure must say)
     "good": ([CHECK, EXERCISE, "print(3 + 3)", "y = 1"], None, None),
@@ -53,6 +64,7 @@ CASES = {
         1,
         "ran without error",
     ),
+    "stops_at_another_exercise": ([CHECK, EXERCISE, EXERCISE_2], 2, "exercise 90.1"),
     "wrong_error": (
         [
             CHECK,

@@ -210,7 +210,7 @@ def _check(number: str, step, no_gather: bool) -> None:
                 else:
                     hint = "every replica's gradient must be added, each once"
                 fail(number, f"{where}: {name}'s gradient differs from one device's: {hint}.")
-        if abs(loss.item() - want_loss) > 1e-12:
+        if not abs(loss.item() - want_loss) <= 1e-12:  # a NaN fails too
             fail(number, f"{where}, the loss you return is not the whole batch's mean loss")
 
 

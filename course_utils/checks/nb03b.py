@@ -8,6 +8,7 @@ import contextlib
 import torch
 from torch import nn
 
+from ..measure import max_abs_diff
 from ..models import ToyMLP
 from .common import ExerciseError, OnlyCommunication, RefuseTorch, fail, launch_check, passed
 
@@ -247,9 +248,8 @@ def _uneven_worker(ctx, train_with_uneven_data, lengths):
             loss = nn.functional.cross_entropy(reference(x.to(ctx.device)), y.to(ctx.device))
             (loss / len(active)).backward()
         opt_ref.step()
-    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(),
-                                                          reference.parameters()))  # fmt: skip
-    if diff > 1e-12:
+    diff = max_abs_diff(zip(model.parameters(), reference.parameters()))
+    if not diff <= 1e-12:  # a NaN fails too
         shorter = [q for q in range(n) if lengths[q] < longest]
         fail("03b.2", f"rank {r}'s parameters differ from one process by {diff:.1e} after "
              f"{longest} steps with {list(lengths)} batches: once rank(s) {shorter} ran out, one "

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..measure import worst as worst_of
 from ..models import pipeline_mlp
 from ..pipeline.run import pipeline_worker
 from .common import fail
@@ -159,8 +160,8 @@ def mailbox_worker(ctx, mailbox_cls, schedule: str, m: int, steps: int = 2):
                                   global_batch=4 * m, mailbox_cls=watched_cls)  # fmt: skip
     finally:
         c10d.batch_isend_irecv = dist.batch_isend_irecv = real
-    worst = max(out["diffs"])
-    if worst > 1e-12:
+    worst = worst_of(out["diffs"])  # NaN if any is NaN
+    if not worst <= 1e-12:  # a NaN fails too
         fail("05.3", f"{schedule} with {ctx.world_size} stages and m={m}: rank {ctx.rank}'s "
              f"parameters differ from one process by {worst:.1e}: a message reached the wrong "
              "stage, or a receive returned before its data had arrived (wait on it)")  # fmt: skip

@@ -35,7 +35,7 @@ def _row_worker(ctx, row_parallel_linear, cases):
                 "a row-parallel layer needs exactly one all-reduce of the partial sums"
             )
         err = float((got - want).abs().max())
-        if err > 1e-10:
+        if not err <= 1e-10:  # a NaN fails too
             partial = F.linear(x_r, w_r)
             if bias is not None and torch.allclose(got, want + (t - 1) * bias, atol=1e-10):
                 hint = "the bias arrived t times: add it once, after the all-reduce"

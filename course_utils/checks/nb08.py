@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..measure import max_abs_diff
+from ..measure import worst as worst_of
 from ..models import ToyMLP
 from ..tensor_parallel.measure import CollectiveCounter
 from ..zero import flat as zero_flat
@@ -90,8 +92,8 @@ def _stage1_worker(ctx, zero1_step, steps: int = 3):
         if counts.get("all_gather", 0) != 1:
             fail("08.2", f"{where}, rank {r} called {counts}: after the step the other ranks' shards "
                  "are stale; all-gather every rank's shard into flat_params once")  # fmt: skip
-        err = max((p - q).abs().max().item() for p, q in zip(params, reference.parameters()))
-        if err > 1e-12:
+        err = max_abs_diff(zip(params, reference.parameters()))
+        if not err <= 1e-12:  # a NaN fails too
             moved = sum((p - b).abs().sum().item() for p, b in zip(params, before))
             want = sum((q - b).abs().sum().item() for q, b in zip(reference.parameters(), before))
             if step == 1 and moved == 0:
@@ -225,7 +227,7 @@ def _stage3_worker(ctx, zero3_cls):
 
             out = zero_run.parity_worker(ctx, method, model=model_name, optimizer=opt, steps=3,
                                          global_batch=12 * n)  # fmt: skip
-            worst = max(out["diffs"])
+            worst = worst_of(out["diffs"])  # NaN if any is NaN
             if not worst < 1e-12:
                 if _held_bytes(built[0]):
                     hint = ("units were still gathered after the step, so the next forward found "

@@ -79,7 +79,7 @@ def check_merge(merge) -> None:
                     fail("09.1", f"with {where}, your output has inf or nan: {hint}")
                 tol = 1e-12 if dtype == torch.float64 else 1e-4
                 err = float((out.double() - want).abs().max())
-                if err > tol:
+                if not err <= tol:  # a NaN fails too
                     fail("09.1", f"with {where}, the merged output differs from attention over "
                          f"both blocks by {err:.2g}: weight each block's output by exp(its lse "
                          "minus the merged lse)")  # fmt: skip
@@ -129,7 +129,7 @@ def _ring_worker(ctx, ring_forward, cases):
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             fail("09.2", f"with {where}, return this rank's output {tuple(ql.shape)}; got {shape}")
         err = float((got - want).abs().max())
-        if err > 1e-12:
+        if not err <= 1e-12:  # a NaN fails too
             fail("09.2", f"with {where}, rank {r}'s output differs from full causal attention by "
                  f"{err:.2g}: each step attends to the block held (positions pos[src], src = "
                  "(rank - step) mod n) and merges it")  # fmt: skip

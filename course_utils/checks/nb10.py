@@ -71,7 +71,7 @@ def check_route(route) -> None:
             got_aux = float(aux.detach()) if torch.is_tensor(aux) else None
             if (
                 got_aux is None
-                or abs(got_aux - float(torch.as_tensor(want.aux_loss).detach())) > 1e-12
+                or not abs(got_aux - float(torch.as_tensor(want.aux_loss).detach())) <= 1e-12
             ):
                 fail("10.1", f"with {where}, the load-balancing loss differs: E · sum_i f_i · "
                      "P_i, f_i the share of the T·k assignments (before dropping), P_i the mean "
@@ -153,17 +153,17 @@ def _ep_worker(ctx, dispatch_combine, cases):
                 fail("10.2", f"with {where}, return (T, h) = {tuple(x.shape)}; got {shape}")
             got.backward(up)
         err = float((got.detach() - want.detach()).abs().max())
-        if err > 1e-12:
+        if not err <= 1e-12:  # a NaN fails too
             fail("10.2", f"with {where}, rank {r}'s output differs from one process by {err:.2g}: "
                  "each kept assignment's row goes to its expert's rank, comes back in the same "
                  "place, and is added to its token with its weight")  # fmt: skip
-        if xs.grad is None or float((xs.grad - x_grad).abs().max()) > 1e-12:
+        if xs.grad is None or not float((xs.grad - x_grad).abs().max()) <= 1e-12:
             fail("10.2", f"with {where}, the tokens' gradient is wrong: use the package's "
                  "all_to_all, whose backward sends each row's gradient back")  # fmt: skip
         for e, ws in zip(mine, grads_want):
             for p, w in zip(e.parameters(), ws):
                 gp = torch.zeros_like(w) if p.grad is None else p.grad
-                if float((gp - w).abs().max()) > 1e-12:
+                if not float((gp - w).abs().max()) <= 1e-12:
                     fail("10.2", f"with {where}, rank {r}'s expert gradients differ: each local "
                          "expert must run on the rows every rank sent it")  # fmt: skip
         per_row = h * x.element_size()

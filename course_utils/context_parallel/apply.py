@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ..measure import max_abs_diff, worst
 from ..models import GPT, CausalSelfAttention
 from .layout import positions
 from .ring import ring_attention
@@ -91,10 +92,8 @@ def cp_parity_worker(ctx, cfg, method: str, layout: str, steps: int = 3, batch: 
             dist.all_reduce(prm.grad)  # weights are whole on every rank: sum the shares
         loss = local.detach().clone()
         dist.all_reduce(loss)
-        out["loss"] = max(out["loss"], abs(float(loss) / tgt.numel() - float(full)))
+        out["loss"] = worst([out["loss"], abs(float(loss) / tgt.numel() - float(full))])
         opt_ref.step(), opt.step()
         opt_ref.zero_grad(), opt.zero_grad()
-    out["params"] = max(
-        float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters())
-    )
+    out["params"] = max_abs_diff(zip(model.parameters(), ref.parameters()))  # NaN if any is
     return out

@@ -24,6 +24,28 @@ from .softmax import tile_size, visible_pieces
 LAYOUTS = ("contiguous", "zigzag")
 
 
+def check_shards(q: torch.Tensor, pos, rank: int, n: int, method: str) -> None:
+    """Refuse, before anything is sent, shards that a context-parallel ``method`` cannot exchange.
+
+    ``pos`` is every rank's positions, the same list on every rank, so every rank reaches the
+    same verdict without a message: unequal shards would otherwise make the ranks post receives
+    of different sizes (gloo aborts the process, NCCL hangs)."""
+    if len(pos) != n:
+        raise ValueError(f"{method}: pos holds {len(pos)} ranks' positions, but the group has {n}")
+    lengths = [len(p) for p in pos]
+    if len(set(lengths)) > 1:
+        raise ValueError(
+            f"{method} needs the same number of tokens on every rank; the positions give "
+            f"{', '.join(map(str, lengths))} tokens to ranks 0..{n - 1}: split the sequence with "
+            "positions(layout, n, seq_len), seq_len a multiple of n (2n for zig-zag)"
+        )
+    if lengths[rank] != q.shape[-2]:
+        raise ValueError(
+            f"{method}: rank {rank} holds {q.shape[-2]} tokens, but its positions list "
+            f"{lengths[rank]}"
+        )
+
+
 def positions(layout: str, n: int, seq_len: int) -> list[torch.Tensor]:
     """The token positions each of ``n`` ranks holds, in the order it holds them.
 

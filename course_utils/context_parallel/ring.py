@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Ring
+from .layout import check_shards
 from .softmax import _finite, causal_block_attention, merge, tile_size, visible_pieces
 
 
@@ -89,12 +90,5 @@ def ring_attention(q, k, v, pos, group=None, causal: bool = True):
 
     ``pos``: every rank's token positions (:func:`~.layout.positions`), the same list on all.
     """
-    n = dist.get_world_size(group)
-    if len(pos) != n:
-        raise ValueError(f"pos holds {len(pos)} ranks' positions, but the group has {n} ranks")
-    if len(pos[dist.get_rank(group)]) != q.shape[-2]:
-        raise ValueError(
-            f"this rank holds {q.shape[-2]} tokens, but its positions list "
-            f"{len(pos[dist.get_rank(group)])}"
-        )
+    check_shards(q, pos, dist.get_rank(group), dist.get_world_size(group), "ring attention")
     return RingAttention.apply(q, k, v, pos, group, causal)

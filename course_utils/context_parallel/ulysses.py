@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_gather_seq, head_to_seq, seq_to_head
+from .layout import check_shards
 from .softmax import attention
 
 
@@ -31,6 +32,7 @@ def ulysses_attention(q, k, v, pos, group=None, causal: bool = True):
     ``q``, ``k``, ``v``: (B, H, S/P, D), this rank's tokens in its layout's order; ``pos``:
     every rank's positions (:func:`~.layout.positions`). Returns (B, H, S/P, D).
     """
+    check_shards(q, pos, dist.get_rank(group), dist.get_world_size(group), "Ulysses")
     qh, kh, vh = (seq_to_head(t, group) for t in (q, k, v))  # each (B, H/P, S, D)
     whole = torch.cat(pos)  # the positions of the gathered sequence, rank by rank
     out = attention(qh, kh, vh, causal, whole, whole)  # (B, H/P, S, D)
@@ -39,10 +41,8 @@ def ulysses_attention(q, k, v, pos, group=None, causal: bool = True):
 
 def allgather_attention(q, k, v, pos, group=None, causal: bool = True):
     """Attention of this rank's queries over every rank's K/V, gathered whole (see the module)."""
-    p = dist.get_world_size(group)
+    check_shards(q, pos, dist.get_rank(group), dist.get_world_size(group), "all-gather attention")
     kw, vw = (all_gather_seq(t, group) for t in (k, v))  # each (P, B, H, s, D)
     kw = kw.permute(1, 2, 0, 3, 4).flatten(2, 3)  # (B, H, S, D), rank by rank
     vw = vw.permute(1, 2, 0, 3, 4).flatten(2, 3)
-    if len(pos) != p:
-        raise ValueError(f"pos holds {len(pos)} ranks' positions, but the group has {p} ranks")
     return attention(q, kw, vw, causal, pos[dist.get_rank(group)], torch.cat(pos))

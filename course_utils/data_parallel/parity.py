@@ -21,10 +21,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..measure import max_abs_diff
+
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
-    """Largest absolute difference between corresponding parameters."""
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    """Largest absolute difference between corresponding parameters (NaN if any is NaN)."""
+    return max_abs_diff(zip(a.parameters(), b.parameters()))
 
 
 def parity_worker(

@@ -104,6 +104,8 @@ class MoENet(nn.Module):
         return self.head(h + self.moe(h))
 
     def loss(self, x, y):
-        """Cross-entropy plus ``aux_loss_coef`` times the load-balancing loss."""
-        out = nn.functional.cross_entropy(self(x), y)
+        """Cross-entropy plus ``aux_loss_coef`` times the load-balancing loss. The mean over
+        tokens is a sum divided by their count, so that a rank given no tokens adds a zero
+        (``cross_entropy``'s own mean of nothing is NaN)."""
+        out = nn.functional.cross_entropy(self(x), y, reduction="sum") / max(len(y), 1)
         return out + self.moe.cfg.aux_loss_coef * self.moe.aux_loss

@@ -46,10 +46,14 @@ class Routing:
 
 
 def capacity(tokens: int, n_experts: int, k: int, capacity_factor: float | None) -> int | None:
-    """``⌈capacity_factor · tokens·k / E⌉`` places per expert (None: no limit)."""
+    """``⌈capacity_factor · tokens·k / E⌉`` places per expert (None: no limit).
+
+    Rounded up as exact arithmetic would: ``1.1 · 50 / 5`` is 11, though in floating point it
+    comes out 11.000000000000002, whose plain ``ceil`` is 12."""
     if capacity_factor is None:
         return None
-    return math.ceil(capacity_factor * tokens * k / n_experts)
+    share = capacity_factor * tokens * k / n_experts
+    return math.ceil(share - 1e-9 * max(1.0, share))  # a rounding error is not a fraction
 
 
 def route(logits: torch.Tensor, k: int, capacity_factor: float | None = None,
@@ -69,7 +73,10 @@ def route(logits: torch.Tensor, k: int, capacity_factor: float | None = None,
     keep = torch.ones_like(order, dtype=torch.bool) if cap is None else place < cap
     keep = keep.view(k, T).t()  # (T, k)
     routed = torch.bincount(experts.reshape(-1), minlength=E)  # before dropping
-    f = routed.to(probs.dtype) / (T * k)  # (E,)
-    aux = E * (f * probs.mean(0)).sum()
+    if T == 0:  # a rank with no tokens has no load to balance: a zero that keeps the graph
+        aux = logits.sum() * 0.0
+    else:
+        f = routed.to(probs.dtype) / (T * k)  # (E,)
+        aux = E * (f * probs.mean(0)).sum()
     counts = torch.bincount(experts[keep], minlength=E)
     return Routing(experts, weights, keep, aux, counts, cap)

@@ -16,6 +16,7 @@ import copy
 import torch
 import torch.distributed as dist
 
+from ..measure import max_abs_diff, worst
 from ..topology import ParallelDims
 from .apply import apply_ep, sync_gradients
 from .layer import MoEConfig, MoENet
@@ -66,7 +67,7 @@ def ep_parity_worker(ctx, cfg: MoEConfig, ep: int, tokens: int = 12, steps: int 
             / ctx.world_size
         )
         ref_loss.backward()
-        out["loss"] = max(out["loss"], abs(float(total) / ctx.world_size - float(ref_loss)))
+        out["loss"] = worst([out["loss"], abs(float(total) / ctx.world_size - float(ref_loss))])
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
     mine = dict(model.named_parameters())
@@ -78,5 +79,5 @@ def ep_parity_worker(ctx, cfg: MoEConfig, ep: int, tokens: int = 12, steps: int 
                 continue
             local = list(ids).index(idx)
             name = name.replace(f".experts.{idx}.", f".experts.{local}.")
-        out["params"] = max(out["params"], float((mine[name] - p).abs().max()))
+        out["params"] = worst([out["params"], max_abs_diff([(mine[name], p)])])
     return out

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..compat import pipeline_losses, pipeline_schedule, pipelining_unsupported
-from ..measure import synchronize
+from ..measure import max_abs_diff, synchronize
 from .partition import boundary_shapes, check_sequential, partition
 from .schedules import RUNTIME_SCHEDULES, StageRunner, train_step
 
@@ -188,7 +188,7 @@ def pipeline_worker(
                 for layer in ref_layers[bounds[c][0] : bounds[c][1]]
                 for q in layer.parameters()
             ]
-            diffs.append(max((a - b).abs().max().item() for a, b in zip(params, mine)))
+            diffs.append(max_abs_diff(zip(params, mine)))  # NaN if any is NaN
     out = {
         "diffs": diffs,
         "loss_diffs": loss_diffs,

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from ..measure import max_abs_diff
 from ..models import GPT, GPTConfig
 from .apply import apply_tp, gpt_plan
 from .loss import vocab_parallel_cross_entropy
@@ -67,7 +68,7 @@ def settle_partial_grads(model) -> None:
 
 
 def _max_diff(pairs) -> float:
-    return max((float((a - b).abs().max()) for a, b in pairs), default=0.0)
+    return max_abs_diff(pairs)  # NaN if any difference is NaN
 
 
 def _loss(out, ref_out, y, kind: str, group):

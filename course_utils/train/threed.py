@@ -21,6 +21,7 @@ import sys
 import torch
 
 from course_utils import dist as cdist
+from course_utils.measure import worst as measure_worst
 from course_utils.models import GPTConfig
 from course_utils.parallel3d import DP_METHODS, compose_worker
 from course_utils.train import common
@@ -79,8 +80,8 @@ def main(argv=None) -> dict:
         )
         mine = {**out, **common.where(ctx)}
         everyone = common.gather(mine)
-        worst = max((max(r["diffs"], default=0.0) for r in everyone), default=0.0)
-        worst_loss = max((max(r["loss_diffs"], default=0.0) for r in everyone), default=0.0)
+        worst = measure_worst(d for r in everyone for d in r["diffs"])  # NaN if any is NaN
+        worst_loss = measure_worst(d for r in everyone for d in r["loss_diffs"])
         result = {
             "script": "threed",
             "world_size": ctx.world_size,
@@ -99,7 +100,7 @@ def main(argv=None) -> dict:
                 f"dp={dp} x pp={args.pp} x tp={args.tp} on {ctx.world_size} ranks: largest difference "
                 f"from one process {worst:.1e} (parameters), {worst_loss:.1e} (loss)"
             )
-            if worst > TOLERANCE or worst_loss > TOLERANCE:
+            if not (worst <= TOLERANCE and worst_loss <= TOLERANCE):  # NaN fails too
                 raise SystemExit(
                     f"the 3D run differs from one process by {max(worst, worst_loss):.1e} "
                     f"(tolerance {TOLERANCE:.0e}): see {folder / 'result.json'}"

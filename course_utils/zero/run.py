@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import models
+from ..measure import max_abs_diff
 from . import traffic
 from .memory import count_model_states
 from .stage1 import ShardedOptimizer
@@ -126,12 +127,7 @@ def parity_worker(
         opt.zero_grad()
         sent.append(log.volume_bytes)
         mine = full()
-        diffs.append(
-            max(
-                (mine[k].detach() - p.detach()).abs().max().item()
-                for k, p in reference.named_parameters()
-            )  # fmt: skip
-        )
+        diffs.append(max_abs_diff((mine[k], p) for k, p in reference.named_parameters()))
     psi = sum(p.numel() for p in reference.parameters() if p.requires_grad)
     return {
         "loss": float(loss),
