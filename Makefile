@@ -31,7 +31,7 @@ help:
 	@echo "make lint    ruff check + format check"
 	@echo "make doctor  what this node has: GPUs, interconnect, working backends, chosen size"
 	@echo "make test-fast       the tests that are neither slow nor notebooks, at the ci size"
-	@echo "make test-floor      those tests on the oldest torch the course supports (.venv-floor)"
+	@echo "make test-floor      the version-dependent tests on the oldest torch supported (.venv-floor)"
 	@echo "make test-contended  every notebook at the ci size while two busy loops hold the cores"
 	@echo "make format  ruff format + ruff check --fix"
 	@echo "make clean   remove build/ and the tools' caches"
@@ -111,11 +111,12 @@ test-contended: setup
 test-fast: setup
 	COURSE_SIZE=ci $(PY) -m pytest tests -m "not slow and not notebook"
 
-# The non-notebook tests on the oldest torch the course supports (CI runs this too).
+# On the oldest torch the course supports (CI runs this too): the tests marked `floor`, those that
+# touch an API whose behaviour changed between versions, and a smoke set of the launcher.
 FLOOR_VENV ?= .venv-floor
 test-floor:
 	$(BASE_PYTHON) scripts/setup_env.py --venv $(FLOOR_VENV) --python $(BASE_PYTHON) --torch-pins "$$($(BASE_PYTHON) scripts/setup_env.py --print-floor)"
-	COURSE_SIZE=ci COURSE_CHECK_DEVICES=1 $(FLOOR_VENV)/bin/python -m pytest tests -m "not slow and not notebook" -p no:cacheprovider --durations=15
+	COURSE_SIZE=ci COURSE_CHECK_DEVICES=1 $(FLOOR_VENV)/bin/python -m pytest tests -m "floor and not slow and not notebook" -p no:cacheprovider --durations=15
 
 lint: setup
 	$(PY) -m ruff check .

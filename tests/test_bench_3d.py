@@ -8,6 +8,9 @@ import pytest
 
 from course_utils.bench import threed
 
+# make test-floor runs these on the oldest torch too: pipelining and FSDP2
+pytestmark = [pytest.mark.floor]
+
 TINY = {"vocab": 64, "seq_len": 16, "d_model": 64, "n_heads": 4, "n_layers": 4, "dropout": 0.1,
         "global_batch": 8, "micro_batches": 2, "steps": 1, "warmup": 1}  # fmt: skip
 

@@ -12,6 +12,9 @@ from course_utils.__main__ import main
 from course_utils.bench import tp as bench_tp
 from course_utils.tensor_parallel.measure import activation_bytes_per_layer
 
+# make test-floor runs these on the oldest torch too: DTensor
+pytestmark = [pytest.mark.floor]
+
 TINY = {"d_model": 32, "n_heads": 4, "seq_len": 16, "batch": 2, "steps": 2, "warmup": 1}
 
 

@@ -11,6 +11,9 @@ from course_utils.__main__ import main
 from course_utils.bench import zero as bench_zero
 from course_utils.compat import fsdp2_unsupported
 
+# make test-floor runs these on the oldest torch too: FSDP2
+pytestmark = [pytest.mark.floor]
+
 TINY = {"vocab": 64, "seq_len": 16, "d_model": 32, "n_heads": 4, "n_layers": 2,
         "batch_per_rank": 2, "steps": 1, "warmup": 1}  # fmt: skip
 

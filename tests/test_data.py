@@ -13,6 +13,9 @@ from torch import nn
 
 from course_utils.data import SyntheticImages, load_dataset
 
+# make test-floor runs these on the oldest torch too: torchvision's dataset readers
+pytestmark = [pytest.mark.floor]
+
 
 def write_cifar10(root, n_per_batch=4):
     """CIFAR-10's python format: protocol-2 pickled dicts of uint8 rows (3072 = 3x32x32, channel-major)."""

@@ -10,6 +10,9 @@ from torch import nn
 from course_utils import RankFailedError, launch
 from course_utils.launcher.devicecheck import OffDeviceError, check_devices
 
+# make test-floor runs these on the oldest torch too: TorchDispatchMode over c10d ops
+pytestmark = [pytest.mark.floor]
+
 DEV = torch.device("cpu")  # what ctx.device is on a CPU rank
 
 

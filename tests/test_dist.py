@@ -14,6 +14,9 @@ import pytest
 from course_utils import launch
 from course_utils.dist import first_host, read_topology
 
+# make test-floor runs these on the oldest torch too: init_process_group from the environment
+pytestmark = [pytest.mark.floor]
+
 SCRIPT = textwrap.dedent("""
     import json, os, sys, torch, torch.distributed as dist
     from course_utils import dist as cdist

@@ -39,6 +39,7 @@ def describe(ctx, scale=1.0):
     }
 
 
+@pytest.mark.floor  # a smoke test of the launcher on the oldest torch
 def test_results_context_and_private_run_dir(runs_root, capfd):
     res = launch(describe, 3, scale=2.0)
     assert [r["rank"] for r in res.results] == [0, 1, 2]
@@ -90,6 +91,7 @@ def test_output_is_live_not_at_the_end(runs_root, capfd):
     assert returned - seen["t"] > 2.0  # shown while the rank was still sleeping
 
 
+@pytest.mark.floor  # a smoke test of the launcher on the oldest torch
 def test_notebook_style_function_and_module_by_value(runs_root):
     """Code from a notebook cell lives in __main__: it must travel by value."""
     src = textwrap.dedent("""
@@ -188,6 +190,7 @@ def test_spawn_start_method_also_works(runs_root):
     assert [r["sum"] for r in res.results] == [3.0, 3.0]
 
 
+@pytest.mark.floor  # a smoke test of the launcher on the oldest torch
 def test_dtensor_runs_end_clean_twenty_times(runs_root):
     """gloo threads alive after destroy_process_group used to abort ranks; results must survive."""
     import json

@@ -108,6 +108,7 @@ def test_normal_end_leaves_nothing(runs_root):
     assert wait_dead(recorded_tree(runs_root)) == []
 
 
+@pytest.mark.floor  # a smoke test of the launcher on the oldest torch
 def test_rank_raises_leaves_nothing(runs_root):
     with pytest.raises(RankFailedError):
         launch(with_children, 2, how="raise", echo=False)

@@ -35,6 +35,7 @@ def raises_on_rank_1(ctx):
     return f"rank {ctx.rank} finished"
 
 
+@pytest.mark.floor  # a smoke test of the launcher on the oldest torch
 def test_rank_raises(runs_root):
     t0 = time.monotonic()
     with pytest.raises(RankFailedError) as info:
@@ -81,6 +82,7 @@ def mismatched_collective(ctx):
     return "unreachable"
 
 
+@pytest.mark.floor  # a smoke test of the launcher on the oldest torch
 def test_hang_shows_every_rank_stack(runs_root):
     t0 = time.monotonic()
     with pytest.raises(RankTimeoutError) as info:

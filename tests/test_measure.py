@@ -21,6 +21,9 @@ from course_utils.measure import (
 )
 from course_utils.models import SmallResNet, count_parameters
 
+# make test-floor runs these on the oldest torch too: saved_tensors_hooks
+pytestmark = [pytest.mark.floor]
+
 
 def test_saved_activations_counts_exact_bytes_and_skips_parameters():
     lin = nn.Linear(100, 50, bias=False)

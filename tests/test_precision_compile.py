@@ -13,6 +13,9 @@ import torch
 from course_utils import precision
 from course_utils.train.ddp import amp_setup
 
+# make test-floor runs these on the oldest torch too: autocast and torch.compile
+pytestmark = [pytest.mark.floor]
+
 
 def fake_gpu(monkeypatch, capability, emulation_flag=True):
     """A GPU of ``capability``; torch's is_bf16_supported answers as torch 2.14 does: True

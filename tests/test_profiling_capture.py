@@ -12,7 +12,8 @@ from course_utils.profiling import collectives as coll
 from course_utils.profiling.analysis import analyse
 from course_utils.profiling.trace import load_traces, marker_skew_us
 
-pytestmark = pytest.mark.multiprocess
+# make test-floor runs these on the oldest torch too: the profiler's trace format
+pytestmark = [pytest.mark.floor, pytest.mark.multiprocess]
 
 
 def ddp_worker(ctx, steps=5, slow_rank=None):

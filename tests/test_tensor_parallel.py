@@ -28,6 +28,9 @@ from course_utils.tensor_parallel.measure import (
 )
 from course_utils.tensor_parallel.run import gpt_parity, hidden_batch, parity_worker
 
+# make test-floor runs these on the oldest torch too: DTensor and parallelize_module
+pytestmark = [pytest.mark.floor]
+
 CFG = GPTConfig(vocab=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
 TOL = 1e-12  # float64
 

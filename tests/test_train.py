@@ -13,7 +13,8 @@ from course_utils.train.common import profile_config
 from tests.test_data import write_cifar100
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.multiprocess
+# make test-floor runs these on the oldest torch too: torchrun, FSDP2 and DCP in the training scripts
+pytestmark = [pytest.mark.floor, pytest.mark.multiprocess]
 
 
 def test_ddp_script_runs_under_launch_on_real_cifar100(runs_root, tmp_path):
