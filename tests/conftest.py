@@ -126,3 +126,19 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)"
 )
+
+
+BUSY = "while True: pass"
+
+
+@pytest.fixture(scope="module")
+def busy_cores():
+    """Two processes that spin forever, each wanting a whole core, like other users' jobs on a
+    shared node: the contended tests run beside them (make test-contended)."""
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(2)]
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()

@@ -8,8 +8,6 @@ the CPU; assertions that rest on timing must still hold there. Run it several ti
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import nbformat
@@ -29,17 +27,6 @@ pytestmark = [
 ]
 
 NOTEBOOKS = find_notebooks(Path(__file__).resolve().parents[1] / "notebooks")
-BUSY = "while True: pass"
-
-
-@pytest.fixture(scope="module")
-def busy_cores():
-    """Two processes that spin forever: each wants a whole core, like other users' jobs."""
-    procs = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(2)]
-    yield procs
-    for p in procs:
-        p.kill()
-        p.wait()
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -14,6 +14,7 @@ reports how far each step's loss, the mean of its micro-batch losses, is from th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from torch import nn
 
 from ..compat import pipeline_losses, pipeline_schedule, pipelining_unsupported
 from ..measure import max_abs_diff, synchronize
+from ..modelled import ModelledCompute, describe
 from .partition import boundary_shapes, check_sequential, partition
 from .schedules import RUNTIME_SCHEDULES, StageRunner, train_step
 
@@ -117,9 +119,19 @@ def pipeline_worker(
     balance: str = "params",
     compare: bool = True,
     mailbox_cls=None,
+    compute: float | None = None,
 ) -> dict:
-    """Train stage ``ctx.rank`` of the pipeline (under ``launch``); report equivalence, memory and time."""
+    """Train stage ``ctx.rank`` of the pipeline (under ``launch``); report equivalence, memory and time.
+
+    ``compute``: run the steps under :class:`~course_utils.modelled.ModelledCompute` at this many
+    TFLOP/s (products asleep, not computed: no parity then, ``compare`` must be False)."""
     p, rank = ctx.world_size, ctx.rank
+    if compute is not None and compare:
+        raise ValueError(
+            "modelled compute returns zeros for every product: pass compare=False (check parity "
+            "in a run without it)"
+        )
+    modelled = ModelledCompute(tflops=compute) if compute is not None else contextlib.nullcontext()
     torch.manual_seed(seed)
     model = make_model().to(ctx.device, dtype)
     reference = make_model().to(ctx.device, dtype) if compare else None
@@ -164,10 +176,11 @@ def pipeline_worker(
         y = torch.randint(classes, (global_batch,), generator=data).to(ctx.device)
         opt.zero_grad()
         t0 = time.perf_counter()
-        if schedule in RUNTIME_SCHEDULES:
-            losses = train_step(runner, schedule, list(x.chunk(m)), list(y.chunk(m)))
-        else:
-            losses = _torch_step(stages, schedule, m, x, y, loss_fn, rank == 0, rank == p - 1)
+        with modelled:
+            if schedule in RUNTIME_SCHEDULES:
+                losses = train_step(runner, schedule, list(x.chunk(m)), list(y.chunk(m)))
+            else:
+                losses = _torch_step(stages, schedule, m, x, y, loss_fn, rank == 0, rank == p - 1)
         opt.step()
         synchronize(ctx.device)  # GPU kernels run asynchronously: the clock waits for them
         times.append(time.perf_counter() - t0)
@@ -195,6 +208,7 @@ def pipeline_worker(
         "step_s": times,
         "losses": losses,
         "bounds": bounds,
+        "modelled": describe(compute, ctx.backend) if compute is not None else None,
     }
     if schedule in RUNTIME_SCHEDULES:
         out.update(

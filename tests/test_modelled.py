@@ -1,0 +1,167 @@
+"""Modelled compute (course_utils.modelled): FLOPs as torch counts them, time asleep, outputs of the
+right shape; and the schedule effects it exists for, on real ranks over gloo: the pipeline bubble
+against (p-1)/(m+p-1), DDP's all-reduce hidden behind backward, a straggler's extra time seen as
+the others' wait. ``make test-contended`` runs the schedule tests with the cores held busy."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from course_utils import launch
+from course_utils.modelled import ModelledCompute, describe, for_device
+from course_utils.models import GPT, GPTConfig, SmallResNet, pipeline_mlp
+from course_utils.pipeline.run import pipeline_worker
+from course_utils.pipeline.simulate import theory_bubble
+
+
+def test_flops_are_torchs_count_and_the_time_is_flops_over_speed():
+    torch.manual_seed(0)
+    for model, x in (
+        (SmallResNet(width=8), torch.randn(4, 3, 32, 32)),
+        (GPT(GPTConfig(vocab=32, seq_len=16, d_model=32, n_heads=4, n_layers=2)),
+         torch.randint(32, (2, 16))),
+    ):  # fmt: skip
+        with FlopCounterMode(display=False) as counter:
+            model(x).sum().backward()
+        with ModelledCompute(tflops=1.0) as mc:
+            model(x).sum().backward()
+        assert mc.flops == counter.get_total_flops() > 0
+        assert mc.seconds == pytest.approx(mc.flops / 1e12)
+
+
+def test_products_return_zeros_of_the_right_shape_and_the_rank_sleeps():
+    lin = nn.Linear(256, 128)
+    x = torch.randn(64, 256, requires_grad=True)
+    want = lin(x)
+    mc = ModelledCompute(tflops=4e-4)  # 0.4 GFLOP/s: forward 2·64·256·128 FLOPs take 10.5 ms
+    t0 = time.perf_counter()
+    with mc:
+        y = lin(x)
+        y.sum().backward()
+    wall = time.perf_counter() - t0
+    assert y.shape == want.shape and y.dtype == want.dtype
+    assert not y.any()  # addmm, product and bias in one op, returns zeros
+    assert x.grad.shape == x.shape and not x.grad.any()
+    assert mc.flops == 3 * 2 * 64 * 256 * 128  # forward, and two products in backward
+    assert mc.seconds == pytest.approx(3 * 0.0105, rel=0.01)
+    assert mc.seconds * 0.95 <= wall <= mc.seconds + 0.5  # asleep, not computing
+
+
+def test_slowdown_bad_input_and_where_it_applies():
+    assert ModelledCompute(tflops=2.0, slowdown=2.0).speed == 1e12
+    for bad in ({"tflops": 0}, {"tflops": -1.0}, {"slowdown": 0}):
+        with pytest.raises(ValueError, match="tflops > 0 and slowdown > 0"):
+            ModelledCompute(**bad)
+    assert isinstance(for_device("cpu"), ModelledCompute)
+    assert not isinstance(for_device("cuda"), ModelledCompute)  # real kernels on a GPU
+    assert describe(2.0).startswith("compute modelled at 2 TFLOP/s per rank")
+
+
+# ---- schedule effects on real ranks --------------------------------------------------------------
+
+
+@pytest.fixture(params=["idle", pytest.param("busy", marks=pytest.mark.contended)])
+def node(request):
+    """Each schedule test runs on an idle node (make test) and beside two busy loops that hold the
+    cores (make test-contended): sleeping ranks must show the same effects on a busy hub."""
+    if request.param == "busy":
+        request.getfixturevalue("busy_cores")
+    return request.param
+
+
+WIDTH, MICRO = 256, 32
+PIPE_TFLOPS = 6.25e-5
+"""A stage holds two blocks (Linear 256 -> 256, tanh) plus, on the first, a 16 -> 256 input layer
+(cheap, so that the stages are even although the first needs no input gradient) and, on the last,
+the 4-class head. A micro-batch of 32 rows costs 8.4 MFLOP forward per stage: 134 ms at this speed,
+268 ms backward, against a few milliseconds of real work and gloo latency per action."""
+
+
+def _bubbles(ctx, cases):
+    out = []
+    for schedule, m in cases:
+        r = pipeline_worker(
+            ctx, partial(pipeline_mlp, d_in=16, width=WIDTH, depth=2 * ctx.world_size + 1),
+            schedule, m, steps=2, global_batch=MICRO * m, d_in=16, dtype=torch.float32,
+            compare=False, compute=PIPE_TFLOPS,
+        )  # fmt: skip
+        t = r["timings"][-1]  # the second step: the first warms the allocator and the mailboxes
+        out.append(t["bubble"] / t["span"])
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [2, 4])
+def test_the_bubble_follows_theory_under_modelled_compute(runs_root, node, p):
+    """Each stage idles (p-1)/(m+p-1) of the step, GPipe and 1F1B alike, within 10 % of it
+    (micro-batches of one size, so the step grows as m + p - 1 micro-batch times)."""
+    cases = [(s, m) for s in ("gpipe", "1f1b") for m in (1, 2, 4, 8)]
+    res = launch(_bubbles, p, cases=cases, echo=False, timeout=300).results
+    for i, (schedule, m) in enumerate(cases):
+        measured = sum(per_rank[i] for per_rank in res) / p
+        want = theory_bubble(p, m)
+        assert measured == pytest.approx(want, rel=0.10), (schedule, p, m, measured, want)
+
+
+DDP_TFLOPS = 0.05  # backward of 16 layers 1024 wide on 256 rows: 17 GFLOP, 344 ms asleep
+
+
+def _ddp_steps(ctx, slow_rank=None, slowdown=1.0, steps=5, bucket_cap_mb=1.0):
+    """torch DDP over 16 Linear layers (4 MiB of gradient each, a bucket each at 1 MB caps), the
+    products modelled; rank ``slow_rank`` computes ``slowdown`` times slower. Returns the
+    modelled compute per step (seconds)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).to(ctx.device)
+    model = DDP(net, bucket_cap_mb=bucket_cap_mb)
+    x = torch.randn(256, 1024, device=ctx.device)
+    mc = ModelledCompute(tflops=DDP_TFLOPS, slowdown=slowdown if ctx.rank == slow_rank else 1.0)
+    for _ in range(steps):
+        with mc:
+            model(x).sum().backward()
+        ctx.step()
+    return mc.seconds / steps
+
+
+def _analysis(res):
+    from course_utils.profiling.analysis import analyse
+    from course_utils.profiling.trace import load_traces
+
+    return analyse(load_traces(res.traces))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_ddp_hides_most_of_its_all_reduce_behind_a_long_backward(runs_root, node):
+    from course_utils.profiling import ProfileConfig
+
+    res = launch(_ddp_steps, 2, profile=ProfileConfig(wait=1, warmup=1, active=3,
+                 tensorboard=False), echo=False, timeout=240)  # fmt: skip
+    for row in _analysis(res).per_rank():
+        assert row["comm_total"] > 0
+        assert row["overlap"] >= 0.8, row  # only the last bucket waits after backward
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_stragglers_extra_time_is_the_others_wait(runs_root, node):
+    from course_utils.profiling import ProfileConfig
+
+    res = launch(_ddp_steps, 2, slow_rank=1, slowdown=1.5, profile=ProfileConfig(
+                 wait=1, warmup=1, active=3, tensorboard=False), echo=False, timeout=240)  # fmt: skip
+    a = _analysis(res)
+    assert a.straggler() == 1
+    fast, slow = (next(r for r in a.per_rank() if r["rank"] == k) for k in (0, 1))
+    modelled_extra = (res.results[1] - res.results[0]) * 1e3  # ms: half of rank 0's compute
+    extra = slow["compute"] - fast["compute"]
+    assert extra == pytest.approx(modelled_extra, rel=0.15), (extra, modelled_extra)
+    waited = (fast["communication"] + fast["idle"]) - (slow["communication"] + slow["idle"])
+    assert waited == pytest.approx(extra, rel=0.15), (fast, slow)
