@@ -135,18 +135,18 @@ def test_time_costs_synchronizes_and_leaves_gradients_alone(monkeypatch):
     layers = list(model)
     model(torch.randn(4, 16)).sum().backward()
     before = {n: p.grad.clone() for n, p in model.named_parameters()}
-    costs = time_costs(layers, torch.randn(8, 16), repeats=3)
+    costs = time_costs(layers, torch.randn(8, 16), rounds=3)
     assert len(costs) == len(layers) and all(c > 0 for c in costs)
     assert len(calls) == 2 * 3 * len(layers)  # before and after every timed forward + backward
     assert all(torch.device(d) == torch.device("cpu") for d in calls)
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, before[n]), n  # not the measurement's accumulated gradients
     fresh = pipeline_mlp(depth=3)
-    time_costs(list(fresh), torch.randn(8, 16), repeats=2)
+    time_costs(list(fresh), torch.randn(8, 16), rounds=2)
     assert all(p.grad is None for p in fresh.parameters())
     with_bn = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
     stats = with_bn[1].running_mean.clone()
-    time_costs(list(with_bn), torch.randn(8, 16) + 3.0, repeats=2)
+    time_costs(list(with_bn), torch.randn(8, 16) + 3.0, rounds=2)
     assert torch.equal(with_bn[1].running_mean, stats)  # the timing passes left no trace
 
 

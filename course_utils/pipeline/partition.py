@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -53,8 +54,10 @@ def param_costs(layers: list[nn.Module]) -> list[float]:
     return [float(sum(q.numel() for q in layer.parameters())) for layer in layers]
 
 
-def time_costs(layers: list[nn.Module], sample: torch.Tensor, repeats: int = 5) -> list[float]:
-    """Measured forward + backward seconds of each layer on ``sample`` (one micro-batch).
+def time_costs(layers: list[nn.Module], sample: torch.Tensor, rounds: int = 21) -> list[float]:
+    """Measured forward + backward seconds of each layer on ``sample`` (one micro-batch): the
+    median over ``rounds`` rounds, each timing every layer once in turn, so that a busy spell of
+    the machine slows every layer alike instead of one.
 
     GPU kernels run asynchronously, so the clock is read only after a synchronize. The layers'
     gradients and buffers (BatchNorm's running statistics) are left as they were.
@@ -65,27 +68,29 @@ def time_costs(layers: list[nn.Module], sample: torch.Tensor, repeats: int = 5) 
         q.grad = None
     buffers = [b for layer in layers for b in layer.buffers()]
     saved_buffers = [b.detach().clone() for b in buffers]
-    costs, x = [], sample
     try:
-        for layer in layers:
-            inp = x.detach().requires_grad_()
-            times = []
-            for _ in range(repeats):
+        inputs, x = [], sample
+        with torch.no_grad():  # each layer's input: the previous layer's output
+            for layer in layers:
+                inputs.append(x)
+                x = layer(x)
+        times = [[] for _ in layers]
+        for _ in range(rounds):
+            for i, layer in enumerate(layers):
+                inp = inputs[i].detach().requires_grad_()
                 synchronize(sample.device)
                 t0 = time.perf_counter()
                 out = layer(inp)
                 out.backward(torch.ones_like(out))
                 synchronize(sample.device)
-                times.append(time.perf_counter() - t0)
-            costs.append(sorted(times)[len(times) // 2])
-            x = out.detach()
+                times[i].append(time.perf_counter() - t0)
+        return [statistics.median(t) for t in times]
     finally:
         for q, g in zip(params, saved):
             q.grad = g
         with torch.no_grad():
             for b, v in zip(buffers, saved_buffers):
                 b.copy_(v)
-    return costs
 
 
 def partition(model: nn.Sequential, p: int, by: str = "params", sample: torch.Tensor | None = None):
