@@ -93,6 +93,23 @@ def _signature(tree) -> tuple:
                          for x in leaves))  # fmt: skip
 
 
+def _define_compute_op():
+    """``torch.ops.course.modelled_compute(seconds)``: the sleep, as an op of its own, so that a
+    profiler trace records it as an operator (``course::modelled_compute``, which the course's
+    analysis counts as compute, as it would the product it stands for)."""
+    if hasattr(torch.ops.course, "modelled_compute"):  # already defined in this process
+        return torch.ops.course.modelled_compute
+
+    @torch.library.custom_op("course::modelled_compute", mutates_args=())
+    def modelled_compute(seconds: float) -> None:
+        time.sleep(seconds)
+
+    return torch.ops.course.modelled_compute
+
+
+_sleep = _define_compute_op()
+
+
 def _meta(t):
     return t.to("meta") if isinstance(t, torch.Tensor) else t
 
@@ -136,10 +153,11 @@ class ModelledCompute(TorchDispatchMode):
         return self.tflops * 1e12 / self.slowdown
 
     def pay(self) -> None:
-        """Sleep what is owed; an oversleep is credited to the next payment."""
+        """Sleep what is owed (as the op ``course::modelled_compute``); an oversleep is credited to
+        the next payment."""
         if self.owed > 0:
             t0 = time.perf_counter()
-            time.sleep(self.owed)
+            _sleep(self.owed)
             self.owed -= time.perf_counter() - t0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -163,8 +181,9 @@ class ModelledCompute(TorchDispatchMode):
         return tree_map(lambda m: _zeros_like_meta(m, device), out)
 
     def __exit__(self, *exc):
-        self.pay()
-        return super().__exit__(*exc)
+        out = super().__exit__(*exc)
+        self.pay()  # outside the mode: the sleep is not dispatched through it
+        return out
 
 
 def describe(tflops: float = DEFAULT_TFLOPS, backend: str = "gloo") -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib
 import pytest
 
-from course_utils.profiling.analysis import analyse, classify_name, union
+from course_utils.profiling.analysis import analyse, analyse_trace, classify_name, union
 from course_utils.profiling.trace import TraceError, align, load_trace, load_traces, marker_skew_us
 
 matplotlib.use("Agg")
@@ -397,3 +397,23 @@ def test_hta_says_why_it_has_nothing_on_cpu_traces(monkeypatch):
     monkeypatch.setitem(sys.modules, "hta.trace_analysis", None)  # as if not installed
     out = summary(_rank_paths(FIXTURES / "gpu_minimal"))
     assert "pip install HolisticTraceAnalysis" in out["why"]
+
+
+def test_a_python_dispatch_modes_second_record_of_a_call_is_not_a_second_call(tmp_path):
+    """Under a dispatch mode (modelled compute, the checks' watchers) the profiler records a call
+    twice, the second inside a PythonDispatchMode event inside the first: one collective, and no
+    work of its own."""
+    from course_utils.profiling.analysis import collectives_per_step
+
+    events = [
+        x("ProfilerStep#1", 0, 50_000, cat="user_annotation"),
+        x("c10d::allreduce_", 10_000, 5_000),
+        x("PythonDispatchMode", 10_100, 4_800),
+        x("c10d::allreduce_", 10_200, 4_600),
+        x("c10d::allreduce_", 30_000, 1_000),  # a second, separate call
+    ]
+    t = load_trace(write(tmp_path / "rank0.pt.trace.json", events))
+    assert collectives_per_step(t) == [2]
+    assert classify_name("PythonDispatchMode") is None
+    [b] = analyse_trace(t)
+    assert b.compute == 0 and b.communication == pytest.approx(6.0)  # ms: 5 + 1, no compute

@@ -43,9 +43,14 @@ OPTIMIZER = re.compile(r"^(Optimizer\.(step|zero_grad)#|optimizer($|[\s_:.#/-]))
 MEMORY = re.compile(r"^(Memcpy|Memset) ")  # a GPU stream's copies and fills (kernel names differ)
 
 
+WRAPPERS = ("PythonDispatchMode",)
+"""Events that are not work of their own: a Python dispatch mode (``course_utils.modelled``, the
+checks' watchers) records one inside each op it sees, around a second copy of that op."""
+
+
 def classify_name(name: str) -> str | None:
-    """The class an event name stands for (``None`` for step and marker events)."""
-    if STEP.match(name) or name == MARKER:
+    """The class an event name stands for (``None`` for step, marker and wrapper events)."""
+    if STEP.match(name) or name == MARKER or name in WRAPPERS:
         return None
     if COMM.match(name):
         return "communication"
@@ -279,9 +284,35 @@ def collectives_per_step(trace: Trace, op: str = "all_reduce") -> list[int]:
     if chosen is None:
         ids = [i for i, n in enumerate(trace.names) if _KERNELS[op].match(n)]
         chosen = np.isin(trace.name_id, ids) & ~cpu
+    chosen &= ~_nested_copies(trace, chosen)
     return [
         int((chosen & (trace.start >= s0) & (trace.start < s1)).sum()) for _, s0, s1 in trace.steps
     ]
+
+
+def _nested_copies(trace: Trace, mask: np.ndarray) -> np.ndarray:
+    """Events of ``mask`` that lie inside another event of ``mask`` with the same name on the same
+    lane: the second record of one call that a Python dispatch mode re-dispatched (notebook 04's
+    modelled compute), not a call of their own."""
+    out = np.zeros_like(mask)
+    idx = np.flatnonzero(mask)
+    order = idx[
+        np.lexsort((-trace.end[idx], trace.start[idx], trace.name_id[idx], trace.lane[idx]))
+    ]
+    open_start, open_end, key = -np.inf, -np.inf, None
+    for i in order:
+        k = (trace.lane[i], trace.name_id[i])
+        inside = trace.end[i] <= open_end and (trace.start[i], trace.end[i]) != (
+            open_start,
+            open_end,
+        )
+        if (
+            k == key and inside
+        ):  # strictly inside: the re-dispatched copy starts later, ends earlier
+            out[i] = True
+        else:
+            key, open_start, open_end = k, trace.start[i], trace.end[i]
+    return out
 
 
 @dataclass
