@@ -78,11 +78,15 @@ def unshard(parts: list[torch.Tensor], pos: list[torch.Tensor], dim: int = 1) ->
     return torch.cat(parts, dim).index_select(dim, order.to(parts[0].device))
 
 
-def work_per_rank(layout: str, n: int, seq_len: int, causal: bool = True) -> list[int]:
+def work_per_rank(
+    layout: str, n: int, seq_len: int, causal: bool = True, tile: int | None = None
+) -> list[int]:
     """Query-key scores each rank computes in ring attention over the whole ring (pieces a causal
-    mask hides entirely skipped): the load that sets each rank's time."""
+    mask hides entirely skipped): the load that sets each rank's time. ``tile``: the granularity
+    at which the mask is applied (default: the layout's own, :func:`~.softmax.tile_size`); give
+    two layouts the same tile to compare them on the same kernel."""
     pos = positions(layout, n, seq_len)
-    tile = tile_size(pos)
+    tile = tile or tile_size(pos)
     return [
         sum(
             (qb - qa) * (kb - ka)
