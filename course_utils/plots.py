@@ -24,11 +24,17 @@ def phase_bar(phases: dict[str, float], title: str = "Where a training step's ti
 
 
 def compare_bars(rows: list[dict], metrics: list[tuple[str, str]], label_key: str = "config"):
-    """Side-by-side bar charts, one per ``(key, axis label)`` in ``metrics``; rows missing a value are skipped."""
+    """Side-by-side bar charts, one per ``(key, axis label)`` in ``metrics``; rows missing a value
+    are skipped. A row's ``(low, high)`` under ``key + " range"`` (its quartiles, say) is drawn as
+    an error bar, so that a chart of medians shows how far apart they really are."""
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.2), squeeze=False)
     for ax, (key, label) in zip(axes[0], metrics):
         shown = [r for r in rows if r.get(key) is not None]
-        ax.bar(range(len(shown)), [r[key] for r in shown], color="tab:blue")
+        spread = None
+        if all(r.get(key + " range") for r in shown) and shown:
+            spread = [[r[key] - r[key + " range"][0] for r in shown],
+                      [r[key + " range"][1] - r[key] for r in shown]]  # fmt: skip
+        ax.bar(range(len(shown)), [r[key] for r in shown], color="tab:blue", yerr=spread, capsize=4)
         ax.set_xticks(range(len(shown)), [r[label_key] for r in shown], rotation=20, ha="right")
         ax.set_ylabel(label)
     fig.tight_layout()

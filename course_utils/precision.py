@@ -73,6 +73,21 @@ def bf16_is_native(device: torch.device | str | int | None = None) -> bool:
     return major >= 8
 
 
+def cpu_bf16_instructions() -> dict[str, bool] | None:
+    """Whether this CPU has instructions that compute in bfloat16 (``avx512_bf16``: AVX-512
+    dot products; ``amx_bf16``: AMX tiles), from Linux's ``/proc/cpuinfo``; None where it cannot
+    be read. oneDNN's fast bf16 kernels need them; without them, bf16 on a CPU saves memory but
+    rarely time."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(
+                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
+            )
+    except OSError:
+        return None
+    return {name: name in flags for name in ("avx512_bf16", "amx_bf16")}
+
+
 def choose(device: torch.device | str) -> Precision:
     """The 16-bit type to autocast to on ``device``: native bf16, else fp16 with a scaler."""
     device = torch.device(device)
@@ -92,4 +107,4 @@ def choose(device: torch.device | str) -> Precision:
     return Precision("cuda", torch.float16, True, why)
 
 
-__all__ = ["Precision", "bf16_is_native", "choose"]
+__all__ = ["Precision", "bf16_is_native", "choose", "cpu_bf16_instructions"]
