@@ -37,11 +37,12 @@ node: an H100 sustains a few hundred TFLOP/s on large bf16 products and its NVLi
         with ModelledCompute(tflops=2.0):   # products take FLOPs / 2e12 s, asleep
             loss = model(x).sum(); loss.backward()
 
-Taught in notebook 04 first; notebooks 03b, 05, 06, 07, 09 and 10 time their schedules with it.
+Taught in notebook 04 first; notebooks 03b, 05, 06, 07 and 10 time their schedules with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -138,6 +139,7 @@ class ModelledCompute(TorchDispatchMode):
     seconds: float = 0.0
     owed: float = field(default=0.0, repr=False)
     _known: dict = field(default_factory=dict, repr=False)
+    _computed: int = field(default=0, repr=False)
 
     def __post_init__(self):
         super().__init__()
@@ -160,10 +162,20 @@ class ModelledCompute(TorchDispatchMode):
             _sleep(self.owed)
             self.owed -= time.perf_counter() - t0
 
+    @contextlib.contextmanager
+    def computed(self):
+        """Inside this block products are computed for real and cost no modelled time: for small
+        work whose values decide the schedule (a router choosing each token's experts)."""
+        self._computed += 1
+        try:
+            yield self
+        finally:
+            self._computed -= 1
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func._overloadpacket
-        if packet not in flop_registry and packet not in _EXTRA:
+        if self._computed or (packet not in flop_registry and packet not in _EXTRA):
             if func.namespace in ("c10d", "_c10d_functional"):
                 self.pay()  # the compute before a message is done before it leaves
             return func(*args, **kwargs)
@@ -198,8 +210,6 @@ def describe(tflops: float = DEFAULT_TFLOPS, backend: str = "gloo") -> str:
 def for_device(device, tflops: float = DEFAULT_TFLOPS, **kwargs):
     """:class:`ModelledCompute` on a CPU device, a context that changes nothing on a GPU (real
     kernels are timed there)."""
-    import contextlib
-
     if torch.device(device).type == "cpu":
         return ModelledCompute(tflops=tflops, **kwargs)
     return contextlib.nullcontext()

@@ -6,7 +6,6 @@ the others' wait. ``make test-contended`` runs the schedule tests with the cores
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import pytest
 import torch
@@ -14,9 +13,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from course_utils import launch
+from course_utils.bench.modelled import analysis as _analysis
+from course_utils.bench.modelled import bubbles as _bubbles
+from course_utils.bench.modelled import ddp_steps as _ddp_steps
 from course_utils.modelled import ModelledCompute, describe, for_device
-from course_utils.models import GPT, GPTConfig, SmallResNet, pipeline_mlp
-from course_utils.pipeline.run import pipeline_worker
+from course_utils.models import GPT, GPTConfig, SmallResNet
 from course_utils.pipeline.simulate import theory_bubble
 
 
@@ -53,6 +54,25 @@ def test_products_return_zeros_of_the_right_shape_and_the_rank_sleeps():
     assert mc.seconds * 0.95 <= wall <= mc.seconds + 0.5  # asleep, not computing
 
 
+def test_computed_blocks_run_for_real_and_cost_no_modelled_time():
+    lin = nn.Linear(32, 8)
+    x = torch.randn(16, 32)
+    want = lin(x)
+    mc = ModelledCompute(tflops=1e-3)
+    with mc:
+        with mc.computed():  # a router: its values decide the schedule
+            real = lin(x)
+            with mc.computed():  # nested
+                again = lin(x)
+            after_inner = lin(x)
+        modelled = lin(x)
+    torch.testing.assert_close(real, want)
+    torch.testing.assert_close(again, want)
+    torch.testing.assert_close(after_inner, want)  # still inside the outer block
+    assert not modelled.any()
+    assert mc.flops == 2 * 16 * 32 * 8  # only the last product was modelled
+
+
 def test_slowdown_bad_input_and_where_it_applies():
     assert ModelledCompute(tflops=2.0, slowdown=2.0).speed == 1e12
     for bad in ({"tflops": 0}, {"tflops": -1.0}, {"slowdown": 0}):
@@ -75,27 +95,6 @@ def node(request):
     return request.param
 
 
-WIDTH, MICRO = 256, 32
-PIPE_TFLOPS = 6.25e-5
-"""A stage holds two blocks (Linear 256 -> 256, tanh) plus, on the first, a 16 -> 256 input layer
-(cheap, so that the stages are even although the first needs no input gradient) and, on the last,
-the 4-class head. A micro-batch of 32 rows costs 8.4 MFLOP forward per stage: 134 ms at this speed,
-268 ms backward, against a few milliseconds of real work and gloo latency per action."""
-
-
-def _bubbles(ctx, cases):
-    out = []
-    for schedule, m in cases:
-        r = pipeline_worker(
-            ctx, partial(pipeline_mlp, d_in=16, width=WIDTH, depth=2 * ctx.world_size + 1),
-            schedule, m, steps=2, global_batch=MICRO * m, d_in=16, dtype=torch.float32,
-            compare=False, compute=PIPE_TFLOPS,
-        )  # fmt: skip
-        t = r["timings"][-1]  # the second step: the first warms the allocator and the mailboxes
-        out.append(t["bubble"] / t["span"])
-    return out
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("p", [2, 4])
@@ -108,34 +107,6 @@ def test_the_bubble_follows_theory_under_modelled_compute(runs_root, node, p):
         measured = sum(per_rank[i] for per_rank in res) / p
         want = theory_bubble(p, m)
         assert measured == pytest.approx(want, rel=0.10), (schedule, p, m, measured, want)
-
-
-DDP_TFLOPS = 0.05  # backward of 16 layers 1024 wide on 256 rows: 17 GFLOP, 344 ms asleep
-
-
-def _ddp_steps(ctx, slow_rank=None, slowdown=1.0, steps=5, bucket_cap_mb=1.0):
-    """torch DDP over 16 Linear layers (4 MiB of gradient each, a bucket each at 1 MB caps), the
-    products modelled; rank ``slow_rank`` computes ``slowdown`` times slower. Returns the
-    modelled compute per step (seconds)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).to(ctx.device)
-    model = DDP(net, bucket_cap_mb=bucket_cap_mb)
-    x = torch.randn(256, 1024, device=ctx.device)
-    mc = ModelledCompute(tflops=DDP_TFLOPS, slowdown=slowdown if ctx.rank == slow_rank else 1.0)
-    for _ in range(steps):
-        with mc:
-            model(x).sum().backward()
-        ctx.step()
-    return mc.seconds / steps
-
-
-def _analysis(res):
-    from course_utils.profiling.analysis import analyse
-    from course_utils.profiling.trace import load_traces
-
-    return analyse(load_traces(res.traces))
 
 
 @pytest.mark.multiprocess
@@ -165,3 +136,25 @@ def test_a_stragglers_extra_time_is_the_others_wait(runs_root, node):
     assert extra == pytest.approx(modelled_extra, rel=0.15), (extra, modelled_extra)
     waited = (fast["communication"] + fast["idle"]) - (slow["communication"] + slow["idle"])
     assert waited == pytest.approx(extra, rel=0.15), (fast, slow)
+
+
+def test_bench_modelled_table_says_what_is_modelled_first():
+    from course_utils.bench.modelled import table
+
+    r = {
+        "bubbles": [{"schedule": "gpipe", "p": 2, "m": 1, "measured": 0.5, "theory": 0.5}],
+        "pipe_tflops": 6.25e-5,
+        "ddp": [{"rank": 0, "overlap": 0.9, "comm_ms": 80.0}],
+        "ddp_tflops": 0.05,
+        "straggler": {
+            "named": 1,
+            "modelled_extra_ms": 252.0,
+            "extra_compute_ms": 254.0,
+            "waited_ms": 253.0,
+        },  # fmt: skip
+        "wall_s": 91.0,
+    }
+    text = table(r)
+    assert text.splitlines()[0].startswith("compute modelled at 6.25e-05 TFLOP/s per rank")
+    assert "| gpipe | 2 | 1 | 50.0% | 50.0% | 1.00 |" in text
+    assert "80 ms per step, 90% of it hidden" in text and "rank 0's extra wait 253 ms" in text
