@@ -5,6 +5,7 @@ python -m course_utils data download --root DIR [--datasets cifar10 fashionmnist
 python -m course_utils bench launch --world-size 4 [--rounds 5]
 python -m course_utils bench tp [--world-sizes 1 2 4] [--rounds 5] [--json]
 python -m course_utils bench zero [--world-sizes 2 4] [--rounds 3] [--json]
+python -m course_utils bench modelled [--json]
 python -m course_utils bench cp [--world-sizes 2 4] [--rounds 3] [--json]
 python -m course_utils bench moe [--world-sizes 2 4] [--rounds 3] [--json]
 python -m course_utils course --out build [--size ci|cpu|gpu] [--only 01]
@@ -89,7 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         help="every dp x pp x tp layout of 8 ranks: measured step time and memory vs the planner",
     )
     b3.add_argument("--rounds", type=int, default=1)
+    b3.add_argument(
+        "--tflops", type=float, default=None,
+        help="time under modelled compute at this many TFLOP/s per rank (communication real)",
+    )  # fmt: skip
     b3.add_argument("--json", action="store_true")
+    bm = bsub.add_parser(
+        "modelled", help="bubble, overlap and straggler under modelled compute, against theory"
+    )
+    bm.add_argument("--json", action="store_true")
     cpb = bsub.add_parser(
         "cp", help="ring attention (contiguous, zig-zag) and Ulysses: step time, values sent"
     )
@@ -195,8 +204,14 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import threed as bench_3d
 
             with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-                result = bench_3d.run(args.rounds)
+                result = bench_3d.run(args.rounds, tflops=args.tflops)
             print(json.dumps(result, indent=2) if args.json else bench_3d.table(result))
+        elif args.bench_cmd == "modelled":
+            from .bench import modelled as bench_modelled
+
+            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+                result = bench_modelled.run()
+            print(json.dumps(result, indent=2) if args.json else bench_modelled.table(result))
         elif args.bench_cmd in ("cp", "moe"):
             from .bench import cp as bench_cp
             from .bench import moe as bench_moe

@@ -25,6 +25,7 @@ over PP. Taught in notebook 07; ``python -m course_utils bench 3d`` measures it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -34,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .measure import max_abs_diff, synchronize
+from .modelled import ModelledCompute, describe
 from .models import GPT, GPTConfig
 from .topology import Groups, ParallelDims
 
@@ -166,6 +168,11 @@ def _loss_diff(losses: list[float], group, dp: int, ref_loss: float, device) -> 
     return abs(mine.item() / dp - ref_loss)
 
 
+def modelled(tflops: float | None):
+    """:class:`~course_utils.modelled.ModelledCompute` at ``tflops``, or nothing when None."""
+    return ModelledCompute(tflops=tflops) if tflops is not None else contextlib.nullcontext()
+
+
 def _max_diff(pairs) -> float:
     return max_abs_diff(pairs)  # NaN if any difference is NaN
 
@@ -186,6 +193,7 @@ def compose_worker(
     reference: bool = True,
     seed: int = 0,
     build_groups=None,
+    compute: float | None = None,
 ) -> dict:
     """Train notebook 06's GPT with the course's own TP, pipeline schedule and DP (or ZeRO-1),
     each over its own group, and beside it (``reference=True``) one process on the whole batch.
@@ -195,9 +203,16 @@ def compose_worker(
     rank (exercise 07.3 runs a student's wiring through the whole composition).
 
     Returns this rank's coordinates, per step the largest difference of its parameter shards from
-    the same slices of the reference and (last stage) of the loss, the step times, and the bytes it
+    the same slices of the reference and (last stage) of the loss, the step times and the CPU time
+    the rank's process used in each (``cpu_s``: real work, not waits or sleeps), and the bytes it
     held: model states (:func:`~course_utils.zero.count_model_states`) and the activations the
     schedule kept at its peak (:class:`~course_utils.pipeline.schedules.StageRunner`).
+
+    ``compute``: run each step (schedule, DP average, optimizer) under
+    :class:`~course_utils.modelled.ModelledCompute` at this many TFLOP/s per rank: the products
+    sleep their FLOPs' time and return zeros, so the run times the schedule and its communication
+    only (``reference`` must be False; check parity in a run without it). The result's
+    ``"modelled"`` says so.
     """
     from .pipeline.schedules import StageRunner, train_step
     from .tensor_parallel import apply_tp, vocab_parallel_cross_entropy
@@ -206,6 +221,11 @@ def compose_worker(
 
     if dp_method not in DP_METHODS:
         raise ValueError(f"dp_method must be one of {DP_METHODS}, not {dp_method!r}")
+    if compute is not None and reference:
+        raise ValueError(
+            "modelled compute returns zeros for every product: pass reference=False (check "
+            "parity in a run without compute=...)"
+        )
     cfg = cfg or GPTConfig(vocab=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
     dims = ParallelDims(dp, pp, tp, world_size=ctx.world_size)
     check_shape(dims, cfg, global_batch, micro_batches)
@@ -241,21 +261,23 @@ def compose_worker(
         stage, me.pp, pp, shape, shape, dtype, ctx.device, loss_fn,
         peers=groups.ranks["pp"], group=groups.pp,
     )  # fmt: skip
-    diffs, loss_diffs, times = [], [], []
+    diffs, loss_diffs, times, cpu = [], [], [], []
     for x, y in batches(cfg, global_batch, steps, seed, ctx.device):
         mx, my = _dp_slice(x, dims, me.dp), _dp_slice(y, dims, me.dp)
         dist.barrier()
-        t0 = time.perf_counter()
-        losses = train_step(
-            runner, schedule, list(mx.chunk(micro_batches)), list(my.chunk(micro_batches))
-        )
-        if dp_method == "ddp" and dp > 1:
-            average_gradients(params, groups.dp)
-        opt.step()
+        t0, c0 = time.perf_counter(), time.process_time()
+        with modelled(compute):
+            losses = train_step(
+                runner, schedule, list(mx.chunk(micro_batches)), list(my.chunk(micro_batches))
+            )
+            if dp_method == "ddp" and dp > 1:
+                average_gradients(params, groups.dp)
+            opt.step()
         states = count_model_states(stage, opt)  # gradients still held: the step's peak states
         opt.zero_grad()
         synchronize(ctx.device)  # GPU kernels run asynchronously: the clock waits for them
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         ctx.step()
         if not reference:
             continue
@@ -268,10 +290,11 @@ def compose_worker(
         diffs.append(_max_diff(pairs))
     return {
         "coords": tuple(me), "ranks": groups.ranks, "blocks": list(stage.blocks.keys()),
-        "diffs": diffs, "loss_diffs": loss_diffs, "step_s": times,
+        "diffs": diffs, "loss_diffs": loss_diffs, "step_s": times, "cpu_s": cpu,
         "params": sum(p.numel() for p in stage.parameters()),
         "states_bytes": states.total, "peak_activation_bytes": runner.peak_held_bytes,
         "micro_activation_bytes": max(runner.micro_bytes), "backend": ctx.backend,
+        "modelled": describe(compute, ctx.backend) if compute is not None else None,
     }  # fmt: skip
 
 

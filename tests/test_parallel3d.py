@@ -130,6 +130,9 @@ def test_refusals_give_the_numbers():
         check_shape(ParallelDims(1, 1, 8), cfg, 8, 1)
     with pytest.raises(ValueError, match=r"global batch 6 must split into dp=2 replicas × 2"):
         check_shape(ParallelDims(2, 1, 1), cfg, 6, 2)
+    # modelled compute returns zeros: a parity reference beside it would compare nothing
+    with pytest.raises(ValueError, match="pass reference=False"):
+        compose_worker(None, 1, 1, 1, compute=1e-3)
 
 
 def test_stages_cover_the_model_once_and_keep_its_names():

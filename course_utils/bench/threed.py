@@ -104,8 +104,11 @@ def link_worker(ctx, group_size: int = 2, sizes=(1 << 10, 1 << 14, 1 << 18, 1 <<
     return {"rows": rows, "world_size": group_size, "backend": ctx.backend}
 
 
-def calibrate(c: dict | None = None, world: int = WORLD, device: str = "auto") -> dict:
-    """Measure this machine for the planner: a link's ``α``/``β`` and FLOP/s per rank."""
+def calibrate(
+    c: dict | None = None, world: int = WORLD, device: str = "auto", tflops: float | None = None
+) -> dict:
+    """Measure this machine for the planner: a link's ``α``/``β`` and FLOP/s per rank (with
+    ``tflops``, compute is modelled: the rate is the declared one and only the link is measured)."""
     from ..launcher import launch
 
     c = {**DEFAULTS, **(c or {})}
@@ -113,10 +116,13 @@ def calibrate(c: dict | None = None, world: int = WORLD, device: str = "auto") -
     report = launch(link_worker, world, **kw).results[0]
     link = fit_link(report)
     b = c["global_batch"] // c["micro_batches"]  # the micro-batch of a dp=1 layout
-    res = launch(compute_worker, world, b=b, **kw, **c)
-    rate = statistics.median(res.results)
+    if tflops is None:
+        res = launch(compute_worker, world, b=b, **kw, **c)
+        rate = statistics.median(res.results)
+    else:
+        rate = tflops * 1e12
     return {"alpha": link.alpha, "beta": link.beta, "flops_per_rank": rate, "b": b,
-            "backend": report["backend"]}  # fmt: skip
+            "backend": report["backend"], "tflops": tflops}  # fmt: skip
 
 
 def cluster_of(cal: dict, world: int = WORLD) -> Cluster:
@@ -144,39 +150,51 @@ def predicted(shape, c: dict, cluster: Cluster, device_type: str = "cpu"):
     )  # fmt: skip
 
 
-def measure_worker(ctx, dp: int, pp: int, tp: int, **c) -> dict:
-    """One layout trained for ``warmup + steps`` steps: this rank's median step and peak bytes."""
+def measure_worker(ctx, dp: int, pp: int, tp: int, tflops: float | None = None, **c) -> dict:
+    """One layout trained for ``warmup + steps`` steps: this rank's median step and peak bytes
+    (``tflops``: under modelled compute at that speed)."""
     from ..parallel3d import compose_worker
 
     r = compose_worker(
         ctx, dp, pp, tp, cfg=_cfg(c), global_batch=c["global_batch"],
         micro_batches=c["micro_batches"], steps=c["warmup"] + c["steps"], dtype=torch.float32,
-        reference=False,
+        reference=False, compute=tflops,
     )  # fmt: skip
     return {
         "s": statistics.median(r["step_s"][c["warmup"] :]),
+        "cpu_s": statistics.median(r["cpu_s"][c["warmup"] :]),
         "bytes": r["states_bytes"] + r["peak_activation_bytes"],
         "states": r["states_bytes"],
         "activations": r["peak_activation_bytes"],
     }
 
 
-def run(rounds: int = 1, device: str = "auto", only=None, **sizes) -> dict:
-    """Calibrate, then measure every layout (``only``: a list of (dp, pp, tp)) ``rounds`` times."""
+def run(
+    rounds: int = 1, device: str = "auto", only=None, tflops: float | None = None, **sizes
+) -> dict:
+    """Calibrate, then measure every layout (``only``: a list of (dp, pp, tp)) ``rounds`` times.
+
+    ``tflops``: time the layouts under modelled compute
+    (:class:`~course_utils.modelled.ModelledCompute`) at this many TFLOP/s per rank, and give the
+    planner the same rate at full efficiency; only the link is calibrated, the communication and
+    the schedule are real. Without it, compute is real and the planner gets the measured rate."""
     from ..launcher import launch
+    from ..modelled import describe
 
     c = {**DEFAULTS, **sizes}
-    cal = calibrate(c, device=device)
+    cal = calibrate(c, device=device, tflops=tflops)
     cluster = cluster_of(cal)
     todo = [tuple(s) for s in only] if only else shapes(c)
     samples = {s: [] for s in todo}
+    cpu = {s: [] for s in todo}
     last, device_type = {}, "cpu"
     for i in range(rounds):
         for s in todo if i % 2 == 0 else todo[::-1]:
             dp, pp, tp = s
-            res = launch(measure_worker, WORLD, dp=dp, pp=pp, tp=tp, device=device, echo=False,
-                         progress=False, **c)  # fmt: skip
+            res = launch(measure_worker, WORLD, dp=dp, pp=pp, tp=tp, tflops=tflops,
+                         device=device, echo=False, progress=False, **c)  # fmt: skip
             samples[s].append(max(r["s"] for r in res.results) * 1e3)
+            cpu[s].append(max(r["cpu_s"] for r in res.results) * 1e3)
             last[s] = res.results
             device_type = "cuda" if res.backend == "nccl" else "cpu"
     rows = []
@@ -186,6 +204,7 @@ def run(rounds: int = 1, device: str = "auto", only=None, **sizes) -> dict:
         ms = statistics.median(samples[s])
         rows.append({
             "dp": s[0], "pp": s[1], "tp": s[2], "measured_ms": ms, "samples_ms": samples[s],
+            "cpu_ms": statistics.median(cpu[s]),
             "predicted_ms": p.time["total"] * 1e3,
             "terms_ms": {k: v * 1e3 for k, v in p.time.items() if k != "total"},
             "measured_bytes": fullest["bytes"], "measured_states": fullest["states"],
@@ -195,24 +214,30 @@ def run(rounds: int = 1, device: str = "auto", only=None, **sizes) -> dict:
             "time_error": p.time["total"] * 1e3 / ms - 1,
             "memory_error": p.memory["total"] / fullest["bytes"] - 1,
         })  # fmt: skip
-    return {"rounds": rounds, "calibration": cal, "config": c, "rows": rows,
+    modelled = describe(tflops, cal["backend"]) if tflops is not None else None
+    return {"rounds": rounds, "calibration": cal, "config": c, "rows": rows, "modelled": modelled,
             "links": placement(Choice(1, 1, 1), WORLD), **provenance()}  # fmt: skip
 
 
 def table(r: dict) -> str:
     c, cal = r["config"], r["calibration"]
-    out = [
+    rate = (
+        f"{cal['flops_per_rank'] / 1e9:.2f} GFLOP/s per rank, declared (compute modelled)"
+        if r.get("modelled")
+        else f"{cal['flops_per_rank'] / 1e9:.2f} GFLOP/s per rank with {WORLD} ranks computing at once"
+    )
+    out = [r["modelled"]] if r.get("modelled") else []
+    out += [
         f"GPT (L={c['n_layers']}, h={c['d_model']}, a={c['n_heads']}, s={c['seq_len']}, "
         f"V={c['vocab']}, dropout {c['dropout']}), global batch {c['global_batch']}, "
         f"m={c['micro_batches']}, float32, SGD; {WORLD} ranks, {cal['backend']}, {r['machine']}, "
         f"{r['date']}",
         f"calibration: α = {cal['alpha'] * 1e6:.0f} µs, β = {cal['beta'] / 1e9:.2f} GB/s "
-        f"(all-reduce in 4 concurrent groups of 2); {cal['flops_per_rank'] / 1e9:.2f} GFLOP/s per rank with "
-        f"{WORLD} ranks computing at once",
+        f"(all-reduce in 4 concurrent groups of 2); {rate}",
         "",
         "| dp | pp | tp | step ms measured | predicted | error | memory MiB measured | "
-        "predicted | error | predicted terms (compute, bubble, tp, pp, dp) ms |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "predicted | error | predicted terms (compute, bubble, tp, pp, dp) ms | CPU work ms |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     hits = [0, 0]
     for row in r["rows"]:
@@ -226,11 +251,13 @@ def table(r: dict) -> str:
         out.append(
             f"| {row['dp']} | {row['pp']} | {row['tp']} | {row['measured_ms']:.0f} | "
             f"{row['predicted_ms']:.0f} | {te:+.0%} | {row['measured_bytes'] / 2**20:.2f} | "
-            f"{row['predicted_bytes'] / 2**20:.2f} | {me:+.0%} | {terms} |"
+            f"{row['predicted_bytes'] / 2**20:.2f} | {me:+.0%} | {terms} | {row['cpu_ms']:.0f} |"
         )
     n = len(r["rows"])
     out.append(
-        f"\nwithin target: step time {hits[0]}/{n} layouts (±20%), memory {hits[1]}/{n} (±10%)"
+        f"\nwithin target: step time {hits[0]}/{n} layouts (±20%), memory {hits[1]}/{n} (±10%). "
+        "CPU work: the busiest rank's process time per step (its real work, not its waits or "
+        "sleeps), which the planner does not count"
     )
     return "\n".join(out)
 
