@@ -37,7 +37,7 @@ node: an H100 sustains a few hundred TFLOP/s on large bf16 products and its NVLi
         with ModelledCompute(tflops=2.0):   # products take FLOPs / 2e12 s, asleep
             loss = model(x).sum(); loss.backward()
 
-Taught in notebook 04 first; notebooks 03b, 05, 06, 07 and 10 time their schedules with it.
+Taught in notebook 04 first; notebooks 03b, 05, 06, 07, 09 and 10 time their schedules with it.
 """
 
 from __future__ import annotations
