@@ -256,8 +256,8 @@ def table(r: dict) -> str:
     n = len(r["rows"])
     out.append(
         f"\nwithin target: step time {hits[0]}/{n} layouts (±20%), memory {hits[1]}/{n} (±10%). "
-        "CPU work: the busiest rank's process time per step (its real work, not its waits or "
-        "sleeps), which the planner does not count"
+        "CPU work: the busiest rank's process time per step (its real work, gloo's threads and "
+        "the mode's bookkeeping included; not its waits or sleeps), which the planner does not count"
     )
     return "\n".join(out)
 
