@@ -33,8 +33,9 @@ PIPE_TFLOPS = 6.25e-5
 the 4-class head. A micro-batch of 32 rows costs 8.4 MFLOP forward per stage: 134 ms at this speed,
 268 ms backward, against a few milliseconds of real work and gloo latency per action."""
 
-DDP_TFLOPS = 0.05
-"""Backward of 16 layers 1024 wide on 256 rows: 17 GFLOP, 344 ms asleep."""
+DDP_TFLOPS = 0.025
+"""Backward of 16 layers 1024 wide on 256 rows: 17 GFLOP, 688 ms asleep: long enough, on two busy
+cores too, for every bucket's all-reduce but the last to finish inside it."""
 
 CASES = tuple((s, m) for s in ("gpipe", "1f1b") for m in (1, 2, 4, 8))
 
