@@ -203,3 +203,27 @@ def test_dtensor_runs_end_clean_twenty_times(runs_root):
         exitcodes = json.loads((res.run_dir / "launch.json").read_text())["exitcodes"]
         assert set(exitcodes.values()) == {0}, (i, exitcodes, res.log(0, "err"))
         assert read_record(res.run_dir, 0)["ok"]
+
+
+def test_a_class_with_an_ops_attribute_travels_to_the_ranks():
+    """A notebook class that reads ``self.ops`` and uses ``torch``: cloudpickle took it for a use
+    of ``torch.ops`` (an _Ops module) and failed with "cannot pickle '_Ops' object"."""
+    import cloudpickle
+
+    from course_utils.launcher.spec import build_spec
+
+    def __init__(self):
+        self.ops = []
+
+    def add(self, x):
+        self.ops.append(torch.as_tensor(x))
+        return len(self.ops)
+
+    cls = type("Mailbox", (), {"__init__": __init__, "add": add, "__module__": "__main__"})
+
+    def worker(ctx, box_cls=cls):
+        return box_cls().add(1)
+
+    spec, _ = build_spec(worker, {}, [])
+    assert cloudpickle.loads(spec["fn"])(None) == 1
+    assert cloudpickle.loads(cloudpickle.dumps(torch.ops)) is torch.ops

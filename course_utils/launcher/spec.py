@@ -20,6 +20,25 @@ from typing import Any
 import cloudpickle
 
 
+def _pickle_torch_namespaces() -> None:
+    """``torch.ops`` and ``torch.classes`` are module objects of their own types, which pickle
+    (and cloudpickle) cannot send: a class of the notebook's that reads ``self.ops`` while using
+    ``torch`` drags ``torch.ops`` along and failed with "cannot pickle '_Ops' object". They are
+    sent by name and imported again in the rank."""
+    import copyreg
+    import importlib
+
+    import torch
+
+    for name in ("ops", "classes"):
+        namespace = getattr(torch, name, None)
+        if namespace is not None and type(namespace) is not type(torch):
+            copyreg.pickle(type(namespace), lambda m: (importlib.import_module, (m.__name__,)))
+
+
+_pickle_torch_namespaces()
+
+
 def resolve_ref(ref: str) -> Callable:
     """Import ``"package.module:function"``."""
     module_name, _, attr = ref.partition(":")
