@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -285,9 +285,12 @@ def test_02_1_bypasses_are_refused():
     fails(checks.check_data_parallel_step, plain_data_parallel, "DataParallel and its pieces")
     fails(checks.check_data_parallel_step, one_device, "scatter the batch")
     fails(checks.check_data_parallel_step, _reference_step, "the check's own copy")
-    code = _reference_step.__code__  # the same code under another name, as if pasted in a cell
-    pasted = type(_reference_step)(code, _reference_step.__globals__, "my_step")
-    fails(checks.check_data_parallel_step, pasted, "the check's own copy")
+
+    def from_a_thread(model, x, y, k):  # the refusal swaps the code: every thread sees it
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(_reference_step, model, x, y, k).result()
+
+    fails(checks.check_data_parallel_step, from_a_thread, "the check's own copy")
     assert nn.DataParallel(nn.Linear(2, 2))  # and DataParallel works again
 
 
@@ -446,7 +449,7 @@ def straight_to_the_owner(t):  # right sums, right element count, but not a ring
 def test_03_1_collectives_and_shortcuts_are_refused(runs_root):
     fails(checks.check_ring_all_reduce, all_reduce_then_pretend, "c10d.allreduce_ was called")
     fails(checks.check_ring_all_reduce, halves_from_the_library, "torch.distributed's collectives")
-    fails(checks.check_ring_all_reduce, straight_to_the_owner, "right neighbour")
+    fails(checks.check_ring_all_reduce, straight_to_the_owner, "sends only to one neighbour")
 
 
 # ---- 03.2 bucketed DDP overlapped with backward (real ranks) -----------------------------------
@@ -538,15 +541,8 @@ def test_03_2_forgetting_to_divide_says_so(runs_root):
 def test_03_2_the_finished_bucketed_ddp_is_refused():  # imported in notebook 03; no ranks start
     for answer in (BucketedDDP, type("Renamed", (BucketedDDP,), {})):
         fails(checks.check_overlapped_ddp, answer, "the package's BucketedDDP")
-    pasted = type("Mine", (BucketedNoOverlapDDP,), {"_on_grad_ready": BucketedDDP._on_grad_ready})
-    fails(checks.check_overlapped_ddp, pasted, "the package's BucketedDDP")  # its method, copied
-    # the same method pasted with its attributes renamed (_next -> nxt, _launch -> go)
-    source = textwrap.dedent(inspect.getsource(BucketedDDP._on_grad_ready))
-    source = source.replace("self._next", "self.nxt").replace("self._launch", "self.go")
-    namespace = {"nn": torch.nn}
-    exec(compile(source, "<a notebook cell>", "exec"), namespace)
-    renamed = type("Mine", (BucketedNoOverlapDDP,), {"_on_grad_ready": namespace["_on_grad_ready"]})
-    fails(checks.check_overlapped_ddp, renamed, "the package's BucketedDDP")
+    # a copy of its methods pasted into a class of the student's is not policed (checks refuse
+    # calls, not copies): it is judged by what it does
 
 
 class Delegating(BucketedNoOverlapDDP):  # keeps the buckets, lets the package's class do the work
@@ -947,9 +943,15 @@ def test_04_1_the_course_breakdown_is_refused():
     def via_pasted(trace, k):  # the package's code pasted into a helper of the student's
         return pasted(trace)[k].communication
 
-    for answer in (asks_analyse_trace, asks_analyse, asks_by_imported_name, via_pasted):
+    def in_a_thread(trace, k):  # the refusal swaps the function's code: every thread sees it
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asks_analyse_trace, trace, k).result()
+
+    for answer in (asks_analyse_trace, asks_analyse, asks_by_imported_name, in_a_thread):
         fails(checks.check_exposed_communication, answer, "analyse / analyse_trace")
-    fails(checks.check_exposed_communication, pasted, "analyse / analyse_trace")
+    # a copy of the package's code pasted into a cell is not policed: it is the student's code now,
+    # judged by what it computes (the checks refuse calls, not copies)
+    checks.check_exposed_communication(via_pasted)
 
 
 # ---- 04.2 bus bandwidth -----------------------------------------------------------------------
@@ -1110,9 +1112,15 @@ def test_05_2_the_package_split_is_refused():
     def via_pasted(costs, p):
         return pasted(costs, p)
 
-    for answer in (reference_split, asks_the_package, through_partition, via_pasted, pasted):
+    def in_a_thread(costs, p):
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(reference_split, costs, p).result()
+
+    for answer in (reference_split, asks_the_package, through_partition, in_a_thread):
         fails(checks.check_balanced_split, answer, "the package's own balanced_split")
-    assert partition_module.balanced_split is reference_split  # restored
+    assert partition_module.balanced_split is reference_split  # restored, code included
+    assert reference_split([1, 1], 2) == [(0, 1), (1, 2)]
+    checks.check_balanced_split(via_pasted)  # copies are not policed: judged by what they compute
 
 
 # ---- 05.3 the mailbox -------------------------------------------------------------------------
@@ -1406,10 +1414,8 @@ def test_08_2_zero1_step(runs_root, capsys):
 @pytest.mark.slow  # wrong answers: make test runs them; the floor runs the check itself
 def test_08_2_typical_mistakes(runs_root):
     fails(checks.check_zero1_step, zero1_sum, "did you divide by n", ["tensor("])
-    fails(
-        checks.check_zero1_step, zero1_all_reduce, "Reduce-scatter sends each rank only its shard"
-    )
-    fails(checks.check_zero1_step, zero1_no_gather, "all-gather every rank's shard")
+    fails(checks.check_zero1_step, zero1_all_reduce, "though it updates only its shard")
+    fails(checks.check_zero1_step, zero1_no_gather, "updated shard must reach every rank once")
 
 
 # ---- 08.3 stage 3 -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import inspect
 import math
 import textwrap
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -78,8 +79,15 @@ def test_09_1_merge(capsys):
     checks.check_merge(merge)
     assert "✓ exercise 09.1" in capsys.readouterr().out
     fails(checks.check_merge, cp_softmax.merge, "package's merge")
-    fails(checks.check_merge, pasted(cp_softmax.merge, "my_merge"), "package's merge")
-    fails(checks.check_merge, pasted(cp_softmax.merge, "my_merge", docstring=False), "package's")
+
+    def in_a_thread(*args):  # the refusal swaps the function's code: every thread sees it
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(cp_softmax.merge, *args).result()
+
+    fails(checks.check_merge, in_a_thread, "package's merge")
+    # a pasted copy is the student's code now, judged by what it computes (calls are refused,
+    # copies are not policed)
+    checks.check_merge(pasted(cp_softmax.merge, "my_merge", docstring=False))
     fails(checks.check_merge, merge_nan_on_blind_rows, "lse = -inf")
     fails(checks.check_merge, merge_by_exp_sums, "inf or nan")
     fails(checks.check_merge, merge_unweighted, "weight each block's output")
@@ -90,7 +98,9 @@ def test_09_1_merge(capsys):
 
 def ring_forward(q, k, v, pos, group=None):
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    nxt, prv = (r + 1) % n, (r - 1) % n
+    nxt, prv = ((r + d) % n for d in (1, -1))
+    if group is not None:  # P2POp takes global ranks
+        nxt, prv = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prv)
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     for step in range(n):
@@ -198,7 +208,7 @@ def test_09_3_seq_to_head(runs_root, capsys):
     assert "✓ exercise 09.3" in capsys.readouterr().out
     fails(checks.check_seq_to_head, cp_comm._seq_to_head, "package's seq_to_head")
     fails(checks.check_seq_to_head, seq_to_head_tokens_interleaved, "out of order")
-    fails(checks.check_seq_to_head, seq_to_head_by_all_gather, "one all_to_all_single")
+    fails(checks.check_seq_to_head, seq_to_head_by_all_gather, "one all-to-all")
 
 
 # ---- 10.1 route --------------------------------------------------------------------------------
@@ -257,7 +267,8 @@ def test_10_1_route(capsys):
         checks.check_route(my_route)
     assert "✓ exercise 10.1" in capsys.readouterr().out
     fails(checks.check_route, route_package_tuple, "package's route")
-    fails(checks.check_route, pasted(route, "routing"), "package's route")
+    # a copy of the package's route is judged by what it returns (the package returns a Routing)
+    fails(checks.check_route, pasted(route, "routing"), "return (experts, weights, keep, aux_loss)")
     fails(checks.check_route, route_token_major, "first choice in token order")
     fails(checks.check_route, route_normalised_top1, "k = 1 the weight is the probability")
     fails(checks.check_route, route_aux_detached, "no gradient")

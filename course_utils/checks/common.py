@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import dis
-import functools
 import inspect
-import sys
+import types
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -28,34 +26,10 @@ def fail(number: str, message: str) -> None:
 
 @contextlib.contextmanager
 def refused(number: str, student_fn, reference, message: str):
-    """While the student's code runs, ``reference`` (a function the package holds) raises instead.
-
-    Every name bound to it is replaced: in the package's modules (so that a function of the
-    package that calls it refuses too) and in the globals of ``student_fn``, the notebook's
-    namespace when it was defined in a cell. All are restored on exit.
-    """
-
-    def refuse(*args, **kwargs):
-        raise ExerciseError(f"exercise {number}: {message}")
-
-    namespaces = [
-        vars(m)
-        for name, m in list(sys.modules.items())
-        if m is not None and (name == "course_utils" or name.startswith("course_utils."))
-    ]
-    namespaces.append(getattr(student_fn, "__globals__", {}))
-    patched = []
-    for ns in namespaces:
-        for key, value in list(ns.items()):
-            if value is reference:
-                ns[key] = refuse
-                patched.append((ns, key))
-    try:
-        with refuse_calls(number, (reference,), message):
-            yield
-    finally:
-        for ns, key in patched:
-            ns[key] = reference
+    """While the student's code runs, ``reference`` (a function or class the package holds)
+    raises instead, under every name and in every thread (:func:`refuse_calls`)."""
+    with refuse_calls(number, (reference,), message):
+        yield
 
 
 @contextlib.contextmanager
@@ -85,6 +59,10 @@ def patched_methods(cls, replacements: dict):
 C10D_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 
 
+# ops that move no data: waits, barriers, a functional collective's result wrapped for autograd
+BOOKKEEPING = ("wait_tensor", "barrier", "_wrap_tensor_autograd", "monitored_barrier_")
+
+
 class OnlyCommunication(TorchDispatchMode):
     """While the student's code runs, every communication op outside ``allowed`` fails the check,
     and the allowed ones are counted (``self.calls``: op name -> calls).
@@ -105,10 +83,35 @@ class OnlyCommunication(TorchDispatchMode):
         namespace = getattr(func, "namespace", "")
         if namespace in C10D_NAMESPACES:
             name = func._schema.name.split("::")[-1]
-            if name not in self.allowed and name not in ("wait_tensor", "barrier"):
+            if name in BOOKKEEPING:  # a wait, or a functional collective's result wrapped
+                return func(*args, **(kwargs or {}))
+            if name not in self.allowed:
                 fail(self.number, f"{self.message} ({namespace}.{name} was called)")
             self.calls[name] = self.calls.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+STORE_METHODS = ("set", "get", "add", "compare_set", "multi_set", "multi_get", "append",
+                 "queue_push", "queue_pop")  # fmt: skip
+
+
+@contextlib.contextmanager
+def no_store(number: str):
+    """While the block runs, the rendezvous store (every ``dist.Store``: TCPStore, FileStore, the
+    PrefixStore the process group keeps) refuses to carry data: it is how ranks find each other,
+    not a channel for the exercise's data, which a check of the bytes sent would not see."""
+    import torch.distributed as dist
+
+    def refuse(original):
+        def refused_store(self, *args, **kwargs):
+            fail(number, "your code used the rendezvous store (dist.Store) to pass data between "
+                 "ranks: it is how ranks find each other at start-up; send the exercise's data "
+                 "with torch.distributed's collectives or point-to-point messages")  # fmt: skip
+
+        return refused_store
+
+    with patched_methods(dist.Store, {name: refuse for name in STORE_METHODS}):
+        yield
 
 
 class RefuseTorch(TorchFunctionMode):
@@ -149,128 +152,63 @@ def launch_check(number: str, worker, world_size: int, **kwargs):
         raise
 
 
-_SKIP = {"CACHE", "NOP", "EXTENDED_ARG", "PRECALL", "PUSH_NULL", "RESUME", "COPY_FREE_VARS"}
-_SAME_AS = {"LOAD_METHOD": "LOAD_ATTR", "CALL_METHOD": "CALL", "CALL_FUNCTION": "CALL"}
-
-
-def _instructions(code, names: bool = True) -> tuple:
-    """The instructions of ``code`` as (operation, argument), the same for a copy compiled
-    elsewhere: locals by position, jumps by instruction index, and an attribute call the same
-    whether the compiler saw the module imported in that cell (LOAD_ATTR) or not (LOAD_METHOD)."""
-    ins = [i for i in dis.get_instructions(code) if i.opname not in _SKIP]
-    index = {i.offset: k for k, i in enumerate(ins)}
-    out = []
-    for i in ins:
-        if i.opcode in dis.hasjrel or i.opcode in dis.hasjabs:
-            arg = index.get(i.argval, -1)
-        elif i.opcode in dis.haslocal or i.opcode in dis.hasfree:
-            arg = i.arg
-        elif hasattr(i.argval, "co_code"):
-            arg = "<code>"
-        elif not names and i.opcode in dis.hasname:
-            arg = "?"  # an attribute or global renamed is still the same code
-        else:
-            arg = repr(i.argval)
-        out.append((_SAME_AS.get(i.opname, i.opname), arg))
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=4096)
-def _code_shape(code, names: bool = True) -> tuple:
-    """What a function does, without its local names, docstring or line numbers: its instructions,
-    the globals and attributes it reaches (``names=False``: not even those), and its constants
-    (nested functions compared the same way)."""
-    consts = []
-    for i, c in enumerate(code.co_consts):
-        if i == 0 and (c is None or isinstance(c, str)):
-            continue  # the docstring's place (None when there is none)
-        consts.append(_code_shape(c, names) if hasattr(c, "co_code") else repr(c))
-    return (_instructions(code, names), code.co_names if names else (), tuple(consts))
-
-
-# Longer than this (bytes of bytecode), the same instructions with other attribute and global names
-# are a copy with names changed, not a coincidence.
-RENAMED_COPY_BYTES = 120
-
-
-def _same_shape(a, b) -> bool:
-    if _code_shape(a) == _code_shape(b):
-        return True
-    return len(a.co_code) > RENAMED_COPY_BYTES and _code_shape(a, False) == _code_shape(b, False)
-
-
-def same_code(student_fn, reference) -> bool:
-    """True when ``student_fn`` is ``reference``, a subclass of it, or a copy of its code pasted
-    under another name (local variables renamed or not): the same bytecode, globals and constants."""
-    if student_fn is reference:
-        return True
-    if isinstance(student_fn, type) and isinstance(reference, type):
-        if issubclass(student_fn, reference):
-            return True
-        theirs, mine = _functions(reference), _functions(student_fn)
-        return any(  # a method of any length carried over (not a two-line __init__ by chance)
-            len(a.__code__.co_code) > 40 and same_code(a, b) for a in mine for b in theirs
-        )
-    a, b = getattr(student_fn, "__code__", None), getattr(reference, "__code__", None)
-    return a is not None and b is not None and _same_shape(a, b)
-
-
 def _functions(ref) -> list:
     """The functions a reference holds, unwrapped: a method under @torch.no_grad() or
     @contextmanager is the decorator's wrapper, whose code is the decorator's, not the method's."""
-    found = [v for v in vars(ref).values()] if isinstance(ref, type) else [ref]
+    found = list(vars(ref).values()) if isinstance(ref, type) else [ref]
     found = [f.__func__ if isinstance(f, (staticmethod, classmethod)) else f for f in found]
-    return [inspect.unwrap(f) for f in found if hasattr(inspect.unwrap(f), "__code__")]
+    found += [f.fget for f in found if isinstance(f, property) and f.fget is not None]
+    out = []
+    for f in found:
+        for g in (f, inspect.unwrap(f)):
+            if isinstance(g, types.FunctionType) and g not in out:
+                out.append(g)
+    return out
 
 
-def _codes(references) -> list:
-    return [f.__code__ for ref in references for f in _functions(ref)]
+def _refusing_code(fn, number: str, message: str):
+    """A code object that raises the check's refusal, with the free variables of ``fn``'s code (a
+    function's code can only be swapped for one with as many), named as ``fn``'s."""
+    free = fn.__code__.co_freevars
+    text = "def outer():\n"
+    text += "".join(f"    {v} = None\n" for v in free)
+    text += "    def refuse(*args, **kwargs):\n"
+    if free:
+        text += f"        ({', '.join(free)},)\n"
+    error = f"exercise {number}: {message}"
+    text += (
+        "        raise __import__('course_utils.checks.common', fromlist=['ExerciseError'])"
+        f".ExerciseError({error!r})\n"
+    )
+    text += "    return refuse\n"
+    scope: dict = {}
+    exec(compile(text, f"<refused by exercise {number}>", "exec"), scope)
+    code = scope["outer"]().__code__
+    assert len(code.co_freevars) == len(free)
+    return code.replace(co_name=fn.__code__.co_name)
 
 
 @contextlib.contextmanager
 def refuse_calls(number: str, references, message: str):
-    """While the block runs, any call of ``references`` (functions, or classes' methods) or of a
-    copy of their code (pasted into a helper under another name, locals renamed) fails the check.
+    """While the block runs, calling any of ``references`` (functions, or classes: every method
+    they define) raises the check's refusal, whoever calls it: the student's code under any name
+    bound to it, a thread it started, a function of the package that calls it. The function
+    objects keep their identity and only their code is swapped, so every alias refuses; all are
+    restored on exit. Checks enter it in every process the student's code runs in (the kernel,
+    and each rank in its worker).
 
-    The names a student could reach are patched by :func:`refused`; this catches what patching
-    cannot: a copy of the package's code, wherever it is defined and however it is called.
+    It refuses calls, not copies: a student who pastes the package's code has still done the
+    exercise's reading, and the check judges what the code does, not what it looks like.
     """
-    codes = _codes(references)
-    seen: dict = {}
-    hit = []
-
-    previous = sys.getprofile()
-
-    def watch(frame, event, arg):
-        if previous is not None:  # an enclosing refuse_calls (or a profiler) keeps watching
-            previous(frame, event, arg)
-        if event != "call" or hit:
-            return
-        code = frame.f_code
-        if code not in seen:
-            seen[code] = code in codes or (
-                len(code.co_code) > 40 and any(_same_shape(code, c) for c in codes)
-            )
-        if seen[code]:
-            hit.append(code.co_name)
-
-    sys.setprofile(watch)
+    swapped = []
+    for ref in references:
+        for fn in _functions(ref):
+            if any(fn is f for f, _ in swapped):
+                continue
+            swapped.append((fn, fn.__code__))
+            fn.__code__ = _refusing_code(fn, number, message)
     try:
         yield
-    except Exception:
-        sys.setprofile(previous)
-        if hit:  # the package's code ran, then something broke: the refusal is the real answer
-            fail(number, message)
-        raise
     finally:
-        sys.setprofile(previous)
-    if hit:
-        fail(number, message)
-
-
-def refuse_copies(number: str, student_fn, references, message: str) -> None:
-    """Fail when the student's function is one of ``references`` (the package's own versions of
-    the answer) or a copy of one of them."""
-    for ref in references:
-        if same_code(student_fn, ref):
-            fail(number, message)
+        for fn, code in swapped:
+            fn.__code__ = code

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..measure import max_abs_diff, saved_activations
 from ..models import FrozenMLP, ToyMLP
-from .common import RefuseTorch, fail, passed, refuse_copies, refused
+from .common import RefuseTorch, fail, passed, refuse_calls
 
 
 class _TiedLM(nn.Module):
@@ -91,9 +91,8 @@ def check_state_bytes(state_bytes) -> None:
         "count the tensors yourself: course_utils.zero's count_model_states is this exercise's "
         "answer"
     )
-    refuse_copies("01.1", state_bytes, [count_model_states, _reference], message)
     for label, model, opt in cases:
-        with refused("01.1", state_bytes, count_model_states, message):
+        with refuse_calls("01.1", [count_model_states, _reference], message):
             got = state_bytes(model, opt)
         if not isinstance(got, dict) or set(got) != {"parameters", "gradients", "optimizer"}:
             fail("01.1", "return a dict with the keys 'parameters', 'gradients' and 'optimizer'")
@@ -175,23 +174,57 @@ def check_mlp_activation_bytes(mlp_activation_bytes) -> None:
             "01.2",
             f"for {where} your count is too {'high' if got > mem['bytes'] else 'low'}: {hint}.",
         )
+    # a size no machine can run (4 TiB of input alone), so measuring it, in any thread, fails:
+    # the formula the cases above were measured to agree with gives the answer
+    batch, widths, dtype, activation = 2**22, [2**18, 2**18, 2**18, 10], torch.float32, "gelu"
+    e = torch.tensor([], dtype=dtype).element_size()
+    want = batch * (widths[0] + 2 * sum(widths[1:-1])) * e
+    try:
+        with RefuseTorch("01.2", MEASURING, autograd=True):
+            got = mlp_activation_bytes(batch, widths, dtype, activation)
+    except (RuntimeError, MemoryError) as err:
+        fail("01.2", f"for batch {batch:,}, widths {widths}, your function failed ({str(err)[:80]}"
+             "...): it tried to build the model or its input, terabytes here. Count from the "
+             "arguments alone")  # fmt: skip
+    if got != want:
+        fail("01.2", f"for batch {batch:,}, widths {widths}, float32, GELU, your count is too "
+             f"{'high' if got > want else 'low'}: count from the arguments alone; the same rules "
+             "as for the small MLPs hold at any size (watch for integer overflow too)")  # fmt: skip
     passed(
         "01.2",
         f"activation bytes right for {len(cases)} MLPs with ReLU and GELU (measured with "
-        "saved-tensor hooks)",
+        "saved-tensor hooks) and for one too large to run",
     )
 
 
 class _Counted(nn.Module):
-    """A model that remembers the batch size of every forward call."""
+    """A model that remembers the batch size of every forward call, and the order in which
+    forward passes ran and their outputs' gradients came back (``events``: ("F" or "B", call))."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
-        self.inner, self.seen = inner, []
+        self.inner, self.seen, self.events = inner, [], []
 
     def forward(self, x):
+        call = len(self.seen)
         self.seen.append(x.shape[0])
-        return self.inner(x)
+        self.events.append(("F", call))
+        out = self.inner(x)
+        if out.requires_grad:
+            out.register_hook(lambda g: self.events.append(("B", call)))
+        return out
+
+
+def _alive_at_once(events, seen) -> tuple[int, int] | None:
+    """(earlier, later) forward calls whose activations were alive together: ``later``'s forward
+    ran before ``earlier``'s backward (or ``earlier`` had none); None if each micro-batch's
+    backward came before the next forward."""
+    calls = [c for c in range(len(seen)) if seen[c] > 0]
+    order = {e: i for i, e in enumerate(events)}
+    for a, b in zip(calls, calls[1:]):
+        if order.get(("B", a), len(events)) > order[("F", b)]:
+            return a, b
+    return None
 
 
 def _accumulation_cases():
@@ -246,6 +279,13 @@ def check_accumulated_step(accumulated_step) -> None:
         if sum(seen) != batch or len(seen) != min(k, batch):
             fail("01.3", f"for {label}, the model saw {len(seen)} micro-batches of "
                  f"{sum(seen)} samples in all: run each of the k micro-batches once")  # fmt: skip
+        together = _alive_at_once(model.events, model.seen)
+        if together is not None:
+            a, b = (seen_index + 1 for seen_index in together)
+            fail("01.3", f"for {label}, micro-batch {b}'s forward ran before micro-batch {a}'s "
+                 "backward, so their activations were alive at once (one backward at the end "
+                 "keeps all k alive, as the whole batch does): call backward on each micro-batch's "
+                 "loss before the next forward, and let the gradients add up in .grad")  # fmt: skip
         err = max_abs_diff(zip(model.inner.parameters(), ref_model.parameters()))
         if err < 1e-12:  # a NaN goes on to the failure below
             continue
@@ -262,4 +302,5 @@ def check_accumulated_step(accumulated_step) -> None:
             )
         fail("01.3", f"for {label}, the parameters after your step differ from one step on the "
              f"whole batch by {err:.2g}: {hint}.")  # fmt: skip
-    passed("01.3", "equal to one full-batch step, to 1e-12, with even and uneven micro-batches")
+    passed("01.3", "equal to one full-batch step, to 1e-12, with even and uneven micro-batches, "
+           "each micro-batch's backward before the next forward")  # fmt: skip

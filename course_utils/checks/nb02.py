@@ -17,7 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..models import FrozenMLP, TiedMLP, ToyMLP, UnusedParamMLP
-from .common import fail, passed, refuse_copies
+from .common import fail, passed, refuse_calls
 
 CASES = [
     # label, model, global batch, k
@@ -53,39 +53,89 @@ class _Watched(nn.Module):
             watch["barrier"].wait()
         except threading.BrokenBarrierError:
             watch["broken"] = True
-        return self.inner(x)
+        out = self.inner(x)
+        if out.grad_fn is not None:
+            with watch["lock"]:
+                watch["outputs"][out.grad_fn] = id(self)
+        return out
+
+
+# autograd nodes that reduce a tensor to a loss: above them, outputs are no longer per sample
+REDUCTIONS = ("NllLoss", "Mean", "Sum", "MseLoss", "BinaryCrossEntropy", "KlDiv", "Norm")
+
+
+def _gathering_node(roots, outputs: dict):
+    """The first autograd node (from the replicas' outputs up) that takes the per-sample outputs
+    of two or more replicas, before any loss or reduction, or None. Seen from the graph that
+    backward runs, so it does not matter which thread or API built it."""
+    memo: dict = {}
+    found = []
+
+    def below(node) -> frozenset:  # replicas whose per-sample outputs reach node
+        if node is None:
+            return frozenset()
+        if node in memo:
+            return memo[node]
+        if node in outputs:
+            memo[node] = frozenset([outputs[node]])
+            return memo[node]
+        memo[node] = frozenset()
+        children = [below(child) for child, _ in node.next_functions]
+        reached = frozenset().union(*children) if children else frozenset()
+        if len(reached) > 1 and not found:
+            found.append(type(node).__name__)
+        if any(type(node).__name__.startswith(r) for r in REDUCTIONS):
+            reached = frozenset()
+        memo[node] = reached
+        return reached
+
+    for root in roots:
+        below(getattr(root, "grad_fn", None))
+    return found[0] if found else None
 
 
 @contextlib.contextmanager
-def _refused_parallel(number: str, student_fn):
-    """nn.DataParallel and torch.nn.parallel's pieces refuse while the student's step runs."""
-    import sys
+def _watching_backward(watch):
+    """Every backward the student's step runs (Tensor.backward, torch.autograd.backward or .grad,
+    in any thread) is inspected for a gather first (``watch["gathers"]``)."""
+    real_backward, real_grad = torch.autograd.backward, torch.autograd.grad
 
-    import torch.nn.parallel as par
+    def inspect(roots):
+        roots = [roots] if isinstance(roots, torch.Tensor) else list(roots)
+        node = _gathering_node(roots, dict(watch["outputs"]))
+        if node is not None:
+            watch["gathers"].append(node)
 
-    def refuse(*args, **kwargs):
-        fail(number, "write the step yourself: torch.nn.parallel's DataParallel and its pieces "
-             "(scatter, replicate, parallel_apply, gather) are what this exercise rebuilds")  # fmt: skip
+    def backward(tensors, *args, **kwargs):
+        inspect(tensors)
+        return real_backward(tensors, *args, **kwargs)
 
-    targets = {f: getattr(par, f) for f in ("replicate", "parallel_apply", "scatter", "gather",
-                                            "data_parallel") if hasattr(par, f)}  # fmt: skip
-    namespaces = [vars(m) for name, m in list(sys.modules.items())
-                  if m is not None and name.startswith("torch.nn.parallel")]  # fmt: skip
-    namespaces.append(getattr(student_fn, "__globals__", {}))
-    patched = []
-    for ns in namespaces:
-        for key, value in list(ns.items()):
-            if any(value is f for f in targets.values()):
-                patched.append((ns, key, value))
-                ns[key] = refuse
-    saved = nn.DataParallel.__init__
-    nn.DataParallel.__init__ = refuse
+    def grad(outputs, *args, **kwargs):
+        inspect(outputs)
+        return real_grad(outputs, *args, **kwargs)
+
+    torch.autograd.backward, torch.autograd.grad = backward, grad
     try:
         yield
     finally:
-        nn.DataParallel.__init__ = saved
-        for ns, key, value in patched:
-            ns[key] = value
+        torch.autograd.backward, torch.autograd.grad = real_backward, real_grad
+
+
+def _refused_parallel(number: str, student_fn):
+    """nn.DataParallel, torch.nn.parallel's pieces and the check's own step refuse while the
+    student's step runs, under any name and in any thread."""
+    import torch.nn.parallel as par
+
+    pieces = [getattr(par, f) for f in ("replicate", "parallel_apply", "scatter", "gather",
+                                        "data_parallel") if hasattr(par, f)]  # fmt: skip
+    stack = contextlib.ExitStack()
+    stack.enter_context(refuse_calls(number, [*pieces, nn.DataParallel],
+                        "write the step yourself: torch.nn.parallel's DataParallel and its pieces "
+                        "(scatter, replicate, parallel_apply, gather) are what this exercise "
+                        "rebuilds"))  # fmt: skip
+    stack.enter_context(refuse_calls(number, [_reference_step], "that is the check's own copy of "
+                                     "the step: write the step yourself"))  # fmt: skip
+    return stack
 
 
 class _Gathers(TorchFunctionMode):
@@ -134,12 +184,12 @@ def _run(number: str, step, make, batch: int, k: int):
     y = torch.randint(4, (batch,), generator=g)
     chunks = len(x.chunk(k))
     token = len(_WATCHES) + 1
-    _WATCHES[token] = {"calls": [], "lock": threading.Lock(), "broken": False,
-                       "barrier": threading.Barrier(chunks, timeout=10)}  # fmt: skip
+    _WATCHES[token] = {"calls": [], "lock": threading.Lock(), "broken": False, "outputs": {},
+                       "gathers": [], "barrier": threading.Barrier(chunks, timeout=10)}  # fmt: skip
     model = _Watched(make().double(), token)
     gathers = _Gathers()
     try:
-        with _refused_parallel(number, step), gathers:
+        with _refused_parallel(number, step), gathers, _watching_backward(_WATCHES[token]):
             loss = step(model, x, y, k)
     finally:
         watch = _WATCHES.pop(token)
@@ -171,6 +221,10 @@ def _check(number: str, step, no_gather: bool) -> None:
             fail(number, f"{where}, the replicas did not run at the same time (one waited 10 s "
                  "for the others): parallel_apply starts every replica's forward in a thread "
                  "of its own before waiting for any")  # fmt: skip
+        if no_gather and watch["gathers"]:
+            fail(number, f"{where}, your backward ran through a {watch['gathers'][0]} that "
+                 "combined the outputs of several replicas before any loss: compute each "
+                 "replica's loss on its own chunk, where its outputs are, and gather nothing")  # fmt: skip
         if no_gather:
             big = [e for e in events if e[1] > biggest and e[2]]
             if big:
@@ -215,7 +269,7 @@ def _check(number: str, step, no_gather: bool) -> None:
 
 
 def _reference_step(model, x, y, k):
-    """The check's own DataParallel step (refused as an answer, copied or not)."""
+    """The check's own DataParallel step (refused while the student's step runs)."""
     chunks = list(zip(x.chunk(k), y.chunk(k)))
     replicas = [copy.deepcopy(model) for _ in chunks]
     with ThreadPoolExecutor(len(chunks)) as pool:
@@ -231,8 +285,6 @@ def _reference_step(model, x, y, k):
 def check_data_parallel_step(data_parallel_step) -> None:
     """Exercise 02.1: ``data_parallel_step(model, x, y, k)``: scatter, replicate, parallel_apply,
     gather, loss, backward and the reduce onto the model, equal to one device."""
-    refuse_copies("02.1", data_parallel_step, [_reference_step],
-                  "write the step yourself, not the check's own copy")  # fmt: skip
     _check("02.1", data_parallel_step, no_gather=False)
     passed("02.1", f"gradients and loss equal one device's for {len(CASES)} models and batches, "
            "replicas copied and run side by side in threads, outputs gathered")  # fmt: skip
@@ -241,8 +293,6 @@ def check_data_parallel_step(data_parallel_step) -> None:
 def check_local_loss_step(local_loss_step) -> None:
     """Exercise 02.2: ``local_loss_step(model, x, y, k)``: each replica computes the loss of its own
     chunk (no gather); the gradients on the model still equal one device's on the whole batch."""
-    refuse_copies("02.2", local_loss_step, [_reference_step],
-                  "write the step yourself, not the check's own copy")  # fmt: skip
     _check("02.2", local_loss_step, no_gather=True)
     passed("02.2", f"gradients equal one device's for {len(CASES)} models and batches, with no "
            "output gathered, chunks of unequal size included")  # fmt: skip

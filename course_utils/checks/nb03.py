@@ -4,11 +4,11 @@ with backward (unused parameters included)."""
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..data_parallel import BucketedDDP
 from ..models import RankDependentMLP, TiedMLP, ToyMLP, UnusedParamMLP
@@ -17,10 +17,10 @@ from .common import (
     OnlyCommunication,
     fail,
     launch_check,
+    no_store,
     passed,
     patched_methods,
     refuse_calls,
-    refuse_copies,
 )
 
 
@@ -31,7 +31,11 @@ def _ring_worker(ctx, ring_all_reduce, sizes, dtypes):
     def counting(send):
         def counting_send(group, tensors, dst, tag=0):  # every point-to-point send ends here
             sent["elements"] += sum(t.numel() for t in tensors)
-            if dst != (r + 1) % n and sent["elsewhere"] is None:
+            # one direction, either way round the ring: every send to the same neighbour
+            sent.setdefault("to", dst)
+            if (dst not in ((r + 1) % n, (r - 1) % n) or dst != sent["to"]) and sent[
+                "elsewhere"
+            ] is None:
                 sent["elsewhere"] = dst
             return send(group, tensors, dst, tag)
 
@@ -46,11 +50,13 @@ def _ring_worker(ctx, ring_all_reduce, sizes, dtypes):
                 ref = t.clone()
                 dist.all_reduce(ref)
                 sent["elements"], sent["elsewhere"] = 0, None
-                with OnlyCommunication("03.1", ("send", "recv_"), NOT_A_RING):
+                sent.pop("to", None)
+                with OnlyCommunication("03.1", ("send", "recv_"), NOT_A_RING), no_store("03.1"):
                     ring_all_reduce(t)
                 if sent["elsewhere"] is not None:
                     fail("03.1", f"rank {r} sent to rank {sent['elsewhere']}: in a ring every "
-                         f"rank sends only to its right neighbour, rank {(r + 1) % n}")  # fmt: skip
+                         f"rank sends only to one neighbour, the same every time (rank "
+                         f"{(r + 1) % n} on the right, or rank {(r - 1) % n} on the left)")  # fmt: skip
                 where = f"{n} ranks, {numel} elements, {str(dtype).replace('torch.', '')}"
                 tol = 1e-12 if dtype == torch.float64 else 1e-4
                 if not torch.allclose(t, ref, rtol=tol, atol=tol):
@@ -60,6 +66,8 @@ def _ring_worker(ctx, ring_all_reduce, sizes, dtypes):
                     ]
                     if torch.equal(t, before):
                         hint = "t did not change: the ring works on t's chunks, in place"
+                    elif torch.allclose(t * n, ref, rtol=tol, atol=tol):
+                        hint = f"your result is the sum divided by {n}: all-reduce sums, as dist.all_reduce does"
                     elif any(chunks_ok):
                         hint = (
                             f"{sum(chunks_ok)} of {n} chunks are right: after the reduce-scatter each "
@@ -114,22 +122,46 @@ TORCH_DDP = (
 
 @contextlib.contextmanager
 def _no_torch_ddp():
-    """torch's DDP (and with it a comm hook on it) refuses to be built while the student's code runs."""
+    """torch's DDP (a comm hook on it included) and its C++ Reducer refuse while the student's code
+    runs: DDP's methods under every name, the Reducer's constructor (a C++ class) by patching."""
     from torch.nn.parallel import DistributedDataParallel
 
-    init = DistributedDataParallel.__init__
+    def reducer(init):
+        def refuse(self, *args, **kwargs):
+            fail("03.2", TORCH_DDP)
 
-    def refuse(self, *args, **kwargs):
-        fail("03.2", TORCH_DDP)
+        return refuse
 
-    DistributedDataParallel.__init__ = refuse
-    try:
+    with (
+        refuse_calls("03.2", [DistributedDataParallel], TORCH_DDP),
+        patched_methods(dist.Reducer, {"__init__": reducer}),
+    ):
         yield
-    finally:
-        DistributedDataParallel.__init__ = init
 
 
-def _overlap_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
+class _ZeroGradientMLP(ToyMLP):
+    """A layer that every rank uses with a weight of exactly zero: its gradient is zeros, not
+    None, and one process's momentum and weight decay still move it."""
+
+    def __init__(self):
+        super().__init__()
+        self.muted = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        return self.fc3(h + 0.0 * self.muted(h))
+
+
+def _overlap_worker(ctx, wrapper_cls, models, steps=3):
+    """Every model in ``models`` ((make, rank_dependent) pairs), one after the other, in one
+    launch: one start-up of the ranks for the whole check."""
+    for make_model, rank_dependent in models:
+        _overlap_model(ctx, wrapper_cls, make_model, rank_dependent, steps)
+        dist.barrier()
+    return True
+
+
+def _overlap_model(ctx, wrapper_cls, make_model, rank_dependent, steps):
     n, r = ctx.world_size, ctx.rank
     torch.manual_seed(0)
     reference = make_model().to(ctx.device, torch.float64)
@@ -147,17 +179,25 @@ def _overlap_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
              "self.buckets")  # fmt: skip
     log, phase = [], {"now": "forward"}
 
-    def watching(real):
-        def watched(group, tensors, *args, **kwargs):
-            # every all-reduce ends here, however it was called; dist.all_reduce waits at once
-            # unless its caller passed async_op=True (group.allreduce itself returns a handle)
-            caller = sys._getframe(1).f_locals
-            asynchronous = bool(caller.get("async_op", True))
+    def launching(real):
+        def launched(group, tensors, *args, **kwargs):  # every c10d all-reduce ends here
+            work = real(group, tensors, *args, **kwargs)
             many = tensors if isinstance(tensors, (list, tuple)) else [tensors]
-            log.append((phase["now"], sum(t.numel() for t in many), asynchronous))
-            return real(group, tensors, *args, **kwargs)
+            log.append(("L", id(work), sum(t.numel() for t in many), phase["now"]))
+            return work
 
-        return watched
+        return launched
+
+    def waiting(real):
+        def waited(work, *args, **kwargs):  # dist.all_reduce without async_op waits here too
+            log.append(("W", id(work), 0, phase["now"]))
+            return real(work, *args, **kwargs)
+
+        return waited
+
+    functional = _FunctionalAllReduces(log, phase)
+    for p in inner.parameters():  # after the student's hooks: backward went on past this gradient
+        p.register_post_accumulate_grad_hook(lambda p: log.append(("G", 0, 0, phase["now"])))
 
     # momentum and weight decay: a zero gradient moves a parameter, no gradient does not
     opt = torch.optim.SGD(inner.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
@@ -166,7 +206,9 @@ def _overlap_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
     refusals = contextlib.ExitStack()
     refusals.enter_context(refuse_calls("03.2", [BucketedDDP], FINISHED))
     refusals.enter_context(_no_torch_ddp())
-    refusals.enter_context(patched_methods(dist.ProcessGroup, {"allreduce": watching}))
+    refusals.enter_context(patched_methods(dist.ProcessGroup, {"allreduce": launching}))
+    refusals.enter_context(patched_methods(dist.Work, {"wait": waiting}))
+    refusals.enter_context(functional)
     try:
         for step in range(1, steps + 1):
             x = torch.randn(16, 16, generator=data, dtype=torch.float64).to(ctx.device)
@@ -195,24 +237,57 @@ def _overlap_worker(ctx, wrapper_cls, make_model, rank_dependent, steps=3):
     return True
 
 
+class _FunctionalAllReduces(TorchDispatchMode):
+    """All-reduces made with the functional collectives (funcol.all_reduce), logged as launches;
+    their waits happen where the result is first used, which the check does not follow."""
+
+    def __init__(self, log, phase):
+        super().__init__()
+        self.log, self.phase = log, phase
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "namespace", "") == "_c10d_functional" and "all_reduce" in func.__name__:
+            numel = sum(t.numel() for t in (args[0] if isinstance(args[0], list) else [args[0]]))
+            self.log.append(("F", id(out), numel, self.phase["now"]))
+        return out
+
+
 def _judge_overlap(log, buckets, make_model, r, step):
-    if not log:
-        fail("03.2", f"rank {r}, step {step}: no all-reduce ran at all")
-    sync = [c for c in log if not c[2]]
-    if sync:
-        fail("03.2", f"rank {r}, step {step}: an all-reduce ran with async_op=False during "
-             f"{sync[0][0]}: start each bucket's all-reduce with async_op=True and wait for its "
-             "handle in finish_gradient_synchronization, so that backward goes on meanwhile")  # fmt: skip
+    launches = [e for e in log if e[0] in ("L", "F")]
+    if not launches:
+        fail("03.2", f"rank {r}, step {step}: no all-reduce ran at all"
+             + (": is what your hooks count reset for the next step?" if step > 1 else ""))  # fmt: skip
+    n_params = sum(len(b) for b in buckets)
     grads = [sum(p.numel() for p in b) for b in buckets]
     flags = [len(b) for b in buckets]
-    sizes = [numel for _, numel, _ in log if numel not in flags or numel in grads]
+    sizes = [e[2] for e in launches]
+    if n_params in sizes and n_params not in grads:
+        sizes.remove(n_params)  # one map of the parameters each rank used, as torch's DDP sends
+    sizes = [s for s in sizes if s not in flags or s in grads]  # flags sent apart
     allowed = [{g, g + f} for g, f in zip(grads, flags)]
     if len(sizes) != len(buckets) or any(s not in ok for s, ok in zip(sizes, allowed)):
         fail("03.2", f"rank {r}, step {step}: your all-reduces carried {sizes} elements; the "
              f"buckets, in bucket order, hold {grads} gradient elements (plus one flag per "
              "parameter if you send them along): one all-reduce per bucket, launched in bucket "
              "order on every rank (collectives are matched by the order of the calls)")  # fmt: skip
-    during = sum(1 for ph, _, _ in log if ph == "backward")
+    # overlap, from the work handles: a bucket's all-reduce launched during backward must not be
+    # waited on before backward has gone on (a gradient accumulated after it, or backward ended)
+    for k, (kind, key, numel, when) in enumerate(log):
+        if kind != "L" or when != "backward":
+            continue
+        later = log[k + 1 :]
+        wait = next((i for i, e in enumerate(later) if e[0] == "W" and e[1] == key), None)
+        if wait is None:
+            continue  # never waited: its gradient would be judged wrong below
+        between = later[:wait]
+        if not any(e[0] == "G" for e in between) and later[wait][3] == "backward":
+            fail("03.2", f"rank {r}, step {step}: an all-reduce of {numel} elements was waited on "
+                 "as soon as it was launched, inside backward (a .wait() in the hook, or "
+                 "dist.all_reduce without async_op=True), so backward stood still while it ran: "
+                 "keep the handle, let backward go on, and wait in finish_gradient_"
+                 "synchronization")  # fmt: skip
+    during = sum(1 for e in launches if e[3] == "backward")
     if make_model is ToyMLP and during < len(buckets):
         fail("03.2", f"rank {r}, step {step}: {during} of {len(buckets)} buckets started during "
              "backward with this model, whose every parameter gets a gradient: launch a bucket "
@@ -235,7 +310,13 @@ def _judge_params(inner, reference, r, step):
         diff = (p - q).abs().max().item()
         if diff <= 1e-12:
             continue
-        if q.grad is None and p.grad is not None:
+        if q.grad is not None and p.grad is None and not q.grad.any():
+            hint = (
+                "every rank used it and its gradient is exactly zero, so one process keeps a .grad "
+                "of zeros (momentum and weight decay still move it); a sum of zero does not mean "
+                "unused: decide by the flags, 1 where a rank has a gradient"
+            )
+        elif q.grad is None and p.grad is not None:
             hint = (
                 "no rank used it, so one process leaves its .grad None; a zero gradient "
                 "still moves it under momentum and weight decay. Send one flag per parameter "
@@ -261,24 +342,13 @@ FINISHED = (
 def check_overlapped_ddp(wrapper_cls, world_size: int = 2) -> None:
     """Exercise 03.2: bucketed DDP whose all-reduces start during backward, one per bucket in
     bucket order, equal to one process, parameters unused in forward included."""
-    refuse_copies("03.2", wrapper_cls, [BucketedDDP], FINISHED)
-    for make, rank_dependent in (
-        (ToyMLP, False),
-        (TiedMLP, False),
-        (UnusedParamMLP, False),
-        (RankDependentMLP, True),
-    ):
-        launch_check(
-            "03.2",
-            _overlap_worker,
-            world_size,
-            wrapper_cls=wrapper_cls,
-            make_model=make,
-            rank_dependent=rank_dependent,
-            timeout=90,
-        )
+    models = [(ToyMLP, False), (TiedMLP, False), (UnusedParamMLP, False), (RankDependentMLP, True),
+              (_ZeroGradientMLP, False)]  # fmt: skip
+    launch_check("03.2", _overlap_worker, world_size, wrapper_cls=wrapper_cls, models=models,
+                 timeout=120)  # fmt: skip
     passed(
         "03.2",
         f"equal to one process on {world_size} ranks, every bucket started during backward in "
-        "bucket order; a layer no rank uses, one only odd ranks use, and a layer used twice",
+        "bucket order and not waited on there; a layer no rank uses, one only odd ranks use, one "
+        "used twice, and one whose gradient is exactly zero",
     )

@@ -11,7 +11,7 @@ import numpy as np
 from ..profiling.analysis import analyse, analyse_trace, union
 from ..profiling.collectives import OPS, bus_factor
 from ..profiling.trace import load_trace
-from .common import fail, passed, refuse_copies, refused
+from .common import fail, passed, refused
 
 
 def _x(name, ts, dur, tid=1, cat="cpu_op"):
@@ -64,6 +64,20 @@ CASES = {
         _x("Optimizer.step#Adam.step", 50_000, 20_000, cat="user_annotation"),
         _x("gloo:all_reduce", 45_000, 30_000, tid=2, cat="user_annotation"),
     ],
+    "communication past the step's end, data loaded on another thread": [
+        _step(9, 0, 50_000),
+        _x("aten::mm", 0, 20_000),
+        _x(
+            "enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__",
+            20_000,
+            15_000,
+            tid=3,
+            cat="user_annotation",
+        ),  # fmt: skip
+        _x("gloo:all_reduce", 25_000, 45_000, tid=2, cat="user_annotation"),  # ends at 70 ms
+        _step(10, 50_000, 40_000),
+        _x("aten::mm", 50_000, 10_000),
+    ],
 }
 
 
@@ -109,7 +123,6 @@ def check_exposed_communication(exposed_communication_ms, traces=None) -> None:
     for rank, t in sorted((traces or {}).items()):
         if not t.has_gpu:  # the notebook's own CPU ranks (the definition is the CPU one)
             loaded.append((f"rank {rank} of the notebook's first run", t))
-    refuse_copies("04.1", exposed_communication_ms, (analyse_trace, analyse), WHOLE_BREAKDOWN)
     checked = 0
     for label, trace in loaded:
         for k, breakdown in enumerate(analyse_trace(trace)):
@@ -123,15 +136,18 @@ def check_exposed_communication(exposed_communication_ms, traces=None) -> None:
             if abs(got - want) <= 1e-6 * max(1.0, want):
                 continue
             step = trace.steps[k][0]
-            if abs(got - _comm_total_ms(trace, k)) <= 1e-6 * max(1.0, got):
+            if want > 0 and abs(got - 1000 * want) <= 1e-6 * got:
+                hint = "1000 times the right value: the trace's times are in µs; return ms"
+            elif abs(got - _comm_total_ms(trace, k)) <= 1e-6 * max(1.0, got):
                 hint = (
                     "all of the communication: the part that ran while the training thread "
                     "computed, loaded data or ran the optimizer is hidden, not exposed"
                 )
             elif got > want:
                 hint = (
-                    "too much: data loading and the optimizer hide communication as compute does, "
-                    "and count only inside the step"
+                    "too much: count each moment once (merge overlapping events), count only "
+                    "inside the step (clip every interval to its start and end), and let data "
+                    "loading and the optimizer, on any thread, hide communication as compute does"
                 )
             else:
                 hint = (
@@ -166,6 +182,8 @@ def check_bus_bandwidth(bus_bandwidth) -> None:
                     hint = "that is the algorithm bandwidth; the bus bandwidth multiplies it by a factor"
                 elif abs(got - nbytes / seconds) <= 1e-6 * nbytes / seconds:
                     hint = "give it in GB/s (1e9 bytes per second)"
+                elif abs(got - want * 1e9 / 2**30) <= 1e-9 * want:
+                    hint = "GB/s, as nccl-tests prints it, is 1e9 bytes per second, not 2**30"
                 else:
                     hint = (
                         "the factor is how much of the buffer each rank must send or receive at "

@@ -118,8 +118,12 @@ class _Watched:
         return buf
 
     def flush(self):
-        mark = len(self.state["batches"])
+        mark, posted = len(self.state["batches"]), len(self.state["works"])
         self.inner.flush()
+        if any(w.waited for w in self.state["works"][posted:]):
+            fail("05.3", f"rank {self.rank}: flush() waited for the sends it posted: it posts them "
+                 "and returns, so that the stage goes on computing while they travel (a send "
+                 "waited at once stalls until the neighbour receives it); wait_all() waits")  # fmt: skip
         batches = self._posted_since(mark)
         sent = sum(b[0] for b in batches)
         if any(b[1] for b in batches) or sent != self.queued:
@@ -144,6 +148,14 @@ class _Watched:
                 fail("05.3", f"rank {self.rank}: wait_all() returned while a send was still in "
                      "flight: keep the work handles of the sends you posted and wait() on them")  # fmt: skip
         self.state["works"] = [w for w in self.state["works"] if not w.waited]
+
+
+def mailbox_cases(ctx, mailbox_cls, cases, steps: int = 2):
+    """Every (schedule, m) in ``cases``, one after the other, in one launch of the ranks."""
+    for schedule, m in cases:
+        mailbox_worker(ctx, mailbox_cls, schedule, m, steps)
+        dist.barrier()
+    return True
 
 
 def mailbox_worker(ctx, mailbox_cls, schedule: str, m: int, steps: int = 2):

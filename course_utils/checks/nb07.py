@@ -3,57 +3,44 @@ the groups themselves."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 from ..measure import worst as worst_of
 from ..topology import ParallelDims
-from .common import fail, passed
+from .common import fail, passed, refuse_calls
 
 SHAPES = [(2, 2, 2), (2, 4, 2), (1, 1, 8), (8, 1, 1), (3, 2, 4), (2, 3, 1), (4, 2, 8), (1, 5, 3)]
 
 
-@contextlib.contextmanager
-def _without(number: str, cls, name: str, message: str):
-    """``cls.name`` raises while the student's code runs (write it yourself), then comes back."""
-    original = getattr(cls, name)
-
-    def refuse(*args, **kwargs):
-        fail(number, message)
-
-    setattr(cls, name, refuse)
-    try:
-        yield
-    finally:
-        setattr(cls, name, original)
-
-
 def check_coords(coords) -> None:
     """Exercise 07.1: ``coords(rank, dp, pp, tp) -> (dp_index, pp_index, tp_index)``."""
-    with _without(
-        "07.1", ParallelDims, "coords", "write the arithmetic, without ParallelDims.coords"
-    ):
-        for dp, pp, tp in SHAPES:
-            dims = ParallelDims(dp, pp, tp)
-            for rank in range(dims.size):
-                want = _reference(rank, dp, pp, tp)
+    for dp, pp, tp in SHAPES:
+        dims = ParallelDims(dp, pp, tp)
+        for rank in range(dims.size):
+            want = _reference(rank, dp, pp, tp)
+            with refuse_calls("07.1", [ParallelDims, _reference],
+                              "write the arithmetic, without ParallelDims.coords"):  # fmt: skip
                 got = coords(rank, dp, pp, tp)
-                if not (isinstance(got, tuple | list) and len(got) == 3):
-                    fail("07.1", f"return (dp_index, pp_index, tp_index); got {got!r}")
-                got = tuple(int(v) for v in got)
-                if got == want:
-                    continue
-                where = f"rank {rank} of dp={dp} × pp={pp} × tp={tp}"
-                if got[2] != want[2]:
-                    hint = "TP is the innermost dimension: ranks r and r+1 differ in their TP index"
-                elif got[0] != want[0] and got[1] != want[1]:
-                    hint = (
-                        "DP comes before PP from the inside: after the TP ranks come the DP "
-                        "replicas of one stage, and a new stage starts every dp·tp ranks"
-                    )
-                else:
-                    hint = f"{'DP' if got[0] != want[0] else 'PP'} index is off: rank = pp_index·(DP·TP) + dp_index·TP + tp_index, DP and TP the degrees"
-                fail("07.1", f"{where}: your coordinates are {got}. {hint}.")
+            if not (isinstance(got, tuple | list) and len(got) == 3):
+                fail("07.1", f"return (dp_index, pp_index, tp_index); got {got!r}")
+            got = tuple(int(v) for v in got)
+            if got == want:
+                continue
+            where = f"rank {rank} of dp={dp} × pp={pp} × tp={tp}"
+            if sorted(got) == sorted(want) and got != want and len(set(want)) == 3:
+                hint = "return the indices in the order (dp_index, pp_index, tp_index)"
+            elif any(not 0 <= v < d for v, d in zip(got, (dp, pp, tp))):
+                hint = "each index must lie in 0 .. degree - 1 of its dimension"
+            elif got[2] != want[2]:
+                hint = "TP is the innermost dimension: ranks r and r+1 differ in their TP index"
+            elif got[0] != want[0] and got[1] != want[1]:
+                hint = (
+                    "DP comes before PP from the inside: after the TP ranks come the DP "
+                    "replicas of one stage, and a new stage starts every dp·tp ranks"
+                )
+            else:
+                hint = f"{'DP' if got[0] != want[0] else 'PP'} index is off: rank = pp_index·(DP·TP) + dp_index·TP + tp_index, DP and TP the degrees"
+            fail("07.1", f"{where}: your coordinates are {got}. {hint}.")
     passed("07.1", f"coordinates of every rank of {len(SHAPES)} grids, up to 64 ranks")
 
 
@@ -78,23 +65,19 @@ PLANNER = (
 def check_links(links) -> None:
     """Exercise 07.2: ``links(dp, pp, tp, gpus_per_node) -> {"tp": ..., "pp": ..., "dp": ...}``,
     each ``"intra"`` when every group of that dimension lies inside one node, else ``"inter"``."""
-    from ..plan import layouts
-    from .common import refused
-
-    with (
-        refused("07.2", links, layouts.placement, PLANNER),
-        refused("07.2", links, layouts._placement, PLANNER),
-    ):
-        _check_links(links)
+    _check_links(links)
 
 
 def _check_links(links) -> None:
+    from ..plan import layouts
+
     cases = list(itertools.product((1, 2, 4), (1, 2, 4), (1, 2, 4, 8), (4, 8)))
     cases += [(2, 1, 3, 4), (3, 1, 2, 4), (1, 3, 2, 4)]  # groups that straddle a node boundary
     for dp, pp, tp, g in cases:
         dims = ParallelDims(dp, pp, tp)
         want = _links(dims, g)
-        got = links(dp, pp, tp, g)
+        with refuse_calls("07.2", [layouts.placement, layouts._placement, _links], PLANNER):
+            got = links(dp, pp, tp, g)
         if not isinstance(got, dict) or set(got) != {"tp", "pp", "dp"}:
             fail("07.2", f"return a dict with the keys 'tp', 'pp' and 'dp'; got {got!r}")
         for dim in ("tp", "pp", "dp"):
@@ -115,7 +98,7 @@ def _check_links(links) -> None:
 # ---- 07.3 the groups of every dimension --------------------------------------------------------
 
 BUILT_FOR_YOU = (
-    "that is the package's (ParallelDims.build / group_ranks / mesh) or torch's DeviceMesh, which "
+    "that is the package's ParallelDims (its build, group_ranks, mesh) or torch's DeviceMesh, which "
     "builds the grid for you: enumerate the groups of each dimension yourself and create them"
 )
 
@@ -128,14 +111,15 @@ def _groups_worker(ctx, build_groups, shapes):
 
     r = ctx.rank
 
-    def refusals():
+    def refusals(whole: bool = True):
+        """The student's function alone: all of ParallelDims and torch's DeviceMesh; inside the
+        course's 3D training (which uses ParallelDims itself), the methods that make groups."""
         import torch.distributed.device_mesh as dm
 
-        stack = contextlib.ExitStack()
-        for name in ("build", "group_ranks", "mesh"):
-            stack.enter_context(_without("07.3", ParallelDims, name, BUILT_FOR_YOU))
-        stack.enter_context(_without("07.3", dm, "init_device_mesh", BUILT_FOR_YOU))
-        return stack
+        made = [ParallelDims.build, ParallelDims.group_ranks, ParallelDims.mesh,
+                ParallelDims.expert_mesh, ParallelDims._key]  # fmt: skip
+        refs = [ParallelDims, dm.DeviceMesh] if whole else made
+        return refuse_calls("07.3", [*refs, dm.init_device_mesh], BUILT_FOR_YOU)
 
     for dp, pp, tp in shapes:
         dims = ParallelDims(dp, pp, tp)
@@ -157,7 +141,7 @@ def _groups_worker(ctx, build_groups, shapes):
                      f"{int(x.item())}, not {sum(want[d])}: the group object is not the ranks "
                      "you listed (every rank must create every group, in the same order)")  # fmt: skip
     dp, pp, tp = shapes[0]
-    with refusals():
+    with refusals(whole=False):
         out = compose_worker(ctx, dp, pp, tp, steps=2, build_groups=build_groups)
     worst = worst_of(out["diffs"])  # NaN if any is NaN
     if not worst < 1e-12:
@@ -169,10 +153,12 @@ def check_groups(build_groups) -> None:
     """Exercise 07.3: ``build_groups(dp, pp, tp) -> {"tp": (group, ranks), "pp": ..., "dp": ...}``:
     this rank's three process groups, every group of every dimension created by every rank in the
     same order; checked on 8 ranks in several shapes, then used to train the 3D composition."""
-    from .common import launch_check
+    from . import common
 
     shapes = [(2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 4, 1)]
-    launch_check("07.3", _groups_worker, 8, build_groups=build_groups, shapes=shapes, timeout=180)
+    common.launch_check(
+        "07.3", _groups_worker, 8, build_groups=build_groups, shapes=shapes, timeout=180
+    )
     passed("07.3", "every rank's TP, PP and DP groups on 8 ranks in 4 shapes, each group checked "
            "by an all-reduce, and DP × PP × TP trained with them equal to one process")  # fmt: skip
 

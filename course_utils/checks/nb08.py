@@ -12,7 +12,7 @@ from ..measure import worst as worst_of
 from ..models import ToyMLP
 from ..tensor_parallel.measure import CollectiveCounter
 from ..zero import flat as zero_flat
-from .common import ExerciseError, fail, launch_check, passed, refused
+from .common import ExerciseError, fail, launch_check, no_store, passed, refuse_calls
 
 
 def _bounds(numel: int, n: int, rank: int) -> tuple[int, int, int]:
@@ -24,34 +24,44 @@ def check_shard_bounds(shard_bounds) -> None:
     """Exercise 08.1: ``shard_bounds(numel, n, rank) -> (start, end, padding)``."""
     cases = [(10, 4, 0), (10, 4, 3), (12, 4, 2), (3, 8, 5), (3, 8, 0), (1, 1, 0), (1732, 3, 2),
              (7, 7, 6), (1000003, 16, 15)]  # fmt: skip
-    with refused("08.1", shard_bounds, zero_flat.padded_numel,
-                 "write the arithmetic yourself, without course_utils.zero.flat"):  # fmt: skip
-        for numel, n, rank in cases:
-            want = _bounds(numel, n, rank)
+    wants = [_bounds(numel, n, rank) for numel, n, rank in cases]
+    for (numel, n, rank), want in zip(cases, wants):
+        with refuse_calls("08.1", [zero_flat.padded_numel, _bounds],
+                          "write the arithmetic yourself, without course_utils.zero.flat"):  # fmt: skip
             got = shard_bounds(numel, n, rank)
-            if not (isinstance(got, tuple | list) and len(got) == 3):
-                fail("08.1", f"return (start, end, padding); got {got!r}")
-            got = tuple(int(x) for x in got)
-            if got == want:
-                continue
-            start, end, pad = got
-            where = f"for {numel} elements on {n} ranks, rank {rank}"
-            if end - start != want[1] - want[0]:
-                hint = (
-                    f"its shard has {end - start} elements; every rank must hold the same number, "
-                    "enough that n of them cover all the elements (round up)"
-                )
-            elif pad != want[2]:
-                hint = (
-                    f"padding {pad}: the padded buffer is n shards long, and holds numel elements"
-                )
-            else:
-                hint = "rank r's shard is the r-th of n equal pieces of the padded buffer"
-            fail("08.1", f"{where}: got (start, end, padding) = {got}; {hint}.")
+        if not (isinstance(got, tuple | list) and len(got) == 3):
+            fail("08.1", f"return (start, end, padding); got {got!r}")
+        got = tuple(int(x) for x in got)
+        if got == want:
+            continue
+        start, end, pad = got
+        where = f"for {numel} elements on {n} ranks, rank {rank}"
+        size = end - start
+        elements = f"{size} element{'s' if size != 1 else ''}"
+        if size > want[1] - want[0]:
+            hint = (
+                f"its shard has {elements}, more than needed: the shard is the smallest size "
+                "that n ranks can cover all the elements with, so the padding is less than n"
+            )
+        elif size != want[1] - want[0]:
+            hint = (
+                f"its shard has {elements}; every rank must hold the same number, "
+                "enough that n of them cover all the elements (round up)"
+            )
+        elif pad != want[2]:
+            hint = f"padding {pad}: the padded buffer is n shards long, and holds numel elements"
+        else:
+            hint = "rank r's shard is the r-th of n equal pieces of the padded buffer"
+        fail("08.1", f"{where}: got (start, end, padding) = {got}; {hint}.")
     passed("08.1", f"right on {len(cases)} cases, including fewer elements than ranks")
 
 
+PACKAGE_STAGE1 = "write the collectives yourself, without course_utils.zero"
+
+
 def _stage1_worker(ctx, zero1_step, steps: int = 3):
+    from ..zero import stage1
+
     n, r = ctx.world_size, ctx.rank
     torch.manual_seed(0)
     reference = ToyMLP().to(ctx.device, torch.float64)
@@ -78,20 +88,36 @@ def _stage1_worker(ctx, zero1_step, steps: int = 3):
             p.grad = None
         nn.functional.cross_entropy(model(x.chunk(n)[r]), y.chunk(n)[r]).backward()  # own data
         flat_grads = bucket.flatten([p.grad for p in params])
-        with CollectiveCounter() as comm:
+        with (
+            CollectiveCounter() as comm,
+            refuse_calls("08.2", [stage1.reduce_scatter_mean], PACKAGE_STAGE1),
+            no_store("08.2"),
+        ):
             zero1_step(flat_params, flat_grads, shard, opt)
-        counts = dict(comm.counts)
+        counts, sent = dict(comm.counts), dict(comm.bytes)
         where = f"on {n} ranks, step {step}"
+        if not opt.state.get(shard):
+            fail("08.2", f"{where}, rank {r} did not step the optimizer it was given, which holds "
+                 "this rank's shard and its state (1/n of a full optimizer's): put the shard's "
+                 "gradient in shard.grad and call optimizer.step()")  # fmt: skip
+        psi = sum(p.numel() for p in params) * 8  # the gradients' bytes, unpadded
+        padded = flat_grads.numel() * 8
         if counts.get("all_reduce"):
             fail("08.2", f"{where}, rank {r} all-reduced the gradients: every rank then receives all "
-                 "of them (2Ψ), and the all-gather adds Ψ more. Reduce-scatter sends each rank "
-                 "only its shard: 2Ψ in all")  # fmt: skip
-        if counts.get("reduce_scatter", 0) != 1:
-            fail("08.2", f"{where}, rank {r} called {counts or 'no collective'}: reduce-scatter the "
-                 "flat gradients once (dist.reduce_scatter_tensor)")  # fmt: skip
-        if counts.get("all_gather", 0) != 1:
-            fail("08.2", f"{where}, rank {r} called {counts}: after the step the other ranks' shards "
-                 "are stale; all-gather every rank's shard into flat_params once")  # fmt: skip
+                 "of them, though it updates only its shard. Reduce-scatter them (each rank gets "
+                 "the sum of its own shard), or reduce each shard to its owner")  # fmt: skip
+        reduced = sent.get("reduce_scatter", 0) + sent.get("reduce", 0)
+        if not psi <= reduced <= padded:
+            fail("08.2", f"{where}, rank {r} handed {reduced:,} bytes of gradients to "
+                 f"reduce-scatter/reduce ({counts or 'no collective'}): stage 1 reduces each "
+                 f"gradient once, {psi:,} bytes (Ψ, plus padding), so that each rank gets the sum "
+                 "of its own shard")  # fmt: skip
+        spread = sent.get("all_gather", 0) + sent.get("broadcast", 0)
+        if not psi <= spread <= padded:
+            fail("08.2", f"{where}, rank {r} gathered or broadcast {spread:,} bytes "
+                 f"({counts or 'no collective'}): after the step the other ranks' shards are "
+                 f"stale; every rank's updated shard must reach every rank once, {psi:,} bytes "
+                 "(Ψ, plus padding) in all: all-gather them into flat_params")  # fmt: skip
         err = max_abs_diff(zip(params, reference.parameters()))
         if not err <= 1e-12:  # a NaN fails too
             moved = sum((p - b).abs().sum().item() for p, b in zip(params, before))
@@ -113,52 +139,52 @@ def _stage1_worker(ctx, zero1_step, steps: int = 3):
 
 def check_zero1_step(zero1_step) -> None:
     """Exercise 08.2: ``zero1_step(flat_params, flat_grads, shard, optimizer)`` on every rank."""
-    from ..zero import stage1
-
-    with refused("08.2", zero1_step, stage1.reduce_scatter_mean,
-                 "write the collectives yourself, without course_utils.zero"):  # fmt: skip
-        for n in (2, 3):  # 3 ranks: 1732 parameters do not split evenly, the buffer is padded
-            launch_check("08.2", _stage1_worker, n, zero1_step=zero1_step, timeout=90)
-    passed("08.2", "equal to one process on 2 and 3 ranks (different data per rank), with one "
-           "reduce-scatter and one all-gather per step")  # fmt: skip
+    for n in (2, 3):  # 3 ranks: 1732 parameters do not split evenly, the buffer is padded
+        launch_check("08.2", _stage1_worker, n, zero1_step=zero1_step, timeout=90)
+    passed("08.2", "equal to one process on 2 and 3 ranks (different data per rank), with each "
+           "gradient reduced once and each updated shard sent once (Ψ each, plus padding)")  # fmt: skip
 
 
 # ---- 08.3 stage 3: gather before use, free after, reduce-scatter after backward ----------------
 
+FSDP = (
+    "that is torch's FSDP (fully_shard or FullyShardedDataParallel), which does stage 3 for you: "
+    "write the gathers, frees and reduce-scatters yourself"
+)
 PACKAGE_STAGE3 = (
     "that is the package's own stage 3 (course_utils.zero.ShardedModel) or torch's FSDP, which "
     "the check compares with: write the gathers, frees and reduce-scatters yourself"
 )
 
 
-def _held_bytes(model) -> int:
-    """Bytes of trainable parameters that hold their full data right now."""
-    total = 0
-    for p in model.parameters():
-        if p.requires_grad and p.numel() and p.untyped_storage().nbytes():
-            total += p.numel() * p.element_size()
-    return total
+def _held_bytes(model, z=None) -> int:
+    """Bytes of full parameters held right now: the storages of the model's trainable parameters
+    and of the units' flat buffers (``z.units[i]["flat"]``), each storage once, whatever the
+    parameters point to (a parameter re-pointed at an empty tensor frees nothing if its buffer
+    still holds the bytes)."""
+    storages = {}
+    tensors = [p for p in model.parameters() if p.requires_grad]
+    for u in getattr(z, "units", None) or []:
+        if isinstance(u, dict) and isinstance(u.get("flat"), torch.Tensor):
+            tensors.append(u["flat"])
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes():
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+def _gradient_units(units) -> int:
+    """How many units hold full gradients (a .grad on any of their parameters) right now."""
+    return sum(1 for m in units if any(p.grad is not None for p in m.parameters(recurse=False)))
 
 
 def _no_fsdp():
-    import contextlib
-
     from torch.distributed import fsdp
 
-    @contextlib.contextmanager
-    def guard():
-        saved = fsdp.fully_shard, fsdp.FullyShardedDataParallel.__init__
+    from .common import refuse_calls
 
-        def refuse(*args, **kwargs):
-            fail("08.3", PACKAGE_STAGE3)
-
-        fsdp.fully_shard, fsdp.FullyShardedDataParallel.__init__ = refuse, refuse
-        try:
-            yield
-        finally:
-            fsdp.fully_shard, fsdp.FullyShardedDataParallel.__init__ = saved
-
-    return guard()
+    return refuse_calls("08.3", [fsdp.fully_shard, fsdp.FullyShardedDataParallel], FSDP)
 
 
 def _stage3_worker(ctx, zero3_cls):
@@ -179,24 +205,27 @@ def _stage3_worker(ctx, zero3_cls):
         units = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
         unit_bytes = [sum(p.numel() * 8 for p in m.parameters(recurse=False)) for m in units]
         z = zero3_cls(model, torch.optim.SGD, {"lr": 0.1})
-        peak = [0]
+        peak, grad_peak = [0], [0]
 
         def probe(*_):
-            peak[0] = max(peak[0], _held_bytes(model))
+            peak[0] = max(peak[0], _held_bytes(model, z))
 
         def probe_in_backward(module, args, out):  # runs when the output's gradient arrives
             if out.requires_grad:
-                out.register_hook(lambda grad: probe())
+                out.register_hook(lambda grad: (probe(), grad_probe(), None)[-1])
+
+        def grad_probe():  # before this unit's backward: earlier units' gradients are shards now
+            grad_peak[0] = max(grad_peak[0], _gradient_units(units))
 
         for m in units:  # registered after the student's hooks: they run after them
             m.register_forward_pre_hook(lambda *a: probe())
             m.register_forward_hook(probe_in_backward)
-        if _held_bytes(model):
-            fail("08.3", f"rank {r} holds {_held_bytes(model):,} bytes of full parameters right "
+        if _held_bytes(model, z):
+            fail("08.3", f"rank {r} holds {_held_bytes(model, z):,} bytes of full parameters right "
                  "after building the class: between uses a rank keeps its shards only")  # fmt: skip
         x = torch.randn(8, 16, dtype=torch.float64, device=ctx.device)
         y = torch.randint(4, (8,), device=ctx.device)
-        with CollectiveCounter() as comm:
+        with CollectiveCounter() as comm, no_store("08.3"):
             nn.functional.cross_entropy(model(x), y).backward()
             z.step()
         slack = 8 * n * len(units)  # padding
@@ -204,16 +233,21 @@ def _stage3_worker(ctx, zero3_cls):
             fail("08.3", f"rank {r} held {peak[0]:,} bytes of full parameters at once, more than "
                  f"the largest unit ({max(unit_bytes):,}): free each unit right after its forward, "
                  "and after its backward")  # fmt: skip
-        if _held_bytes(model):
-            fail("08.3", f"after the step rank {r} still holds {_held_bytes(model):,} bytes of "
+        if grad_peak[0] > 1:
+            fail("08.3", f"rank {r} held the full gradients of {grad_peak[0]} layers at once "
+                 "during backward: once a unit's gradients are reduce-scattered into its shard, "
+                 "drop the full ones (p.grad = None), or stage 3 keeps DDP's gradient memory")  # fmt: skip
+        if _held_bytes(model, z):
+            fail("08.3", f"after the step rank {r} still holds {_held_bytes(model, z):,} bytes of "
                  "full parameters: free each unit once its gradients are reduce-scattered")  # fmt: skip
         psi_bytes = sum(unit_bytes)
         got = {k: comm.bytes.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce")}
         if got["all_reduce"]:
             fail("08.3", "stage 3 needs no all-reduce: reduce-scatter each unit's gradients")
-        if not psi_bytes <= got["reduce_scatter"] <= psi_bytes + slack:
-            fail("08.3", f"rank {r} reduce-scattered {got['reduce_scatter']:,} bytes in a step; each "
-                 f"unit's gradients once ({psi_bytes:,} bytes, Ψ, plus padding)")  # fmt: skip
+        reduced = got["reduce_scatter"] + comm.bytes.get("reduce", 0)
+        if not psi_bytes <= reduced <= psi_bytes + slack:
+            fail("08.3", f"rank {r} reduce-scattered (or reduced) {reduced:,} bytes in a step; "
+                 f"each unit's gradients once ({psi_bytes:,} bytes, Ψ, plus padding)")  # fmt: skip
         if not 2 * psi_bytes <= got["all_gather"] <= 2 * (psi_bytes + slack):
             fail("08.3", f"rank {r} all-gathered {got['all_gather']:,} bytes in a step; each unit "
                  f"once before its forward and once before its backward ({2 * psi_bytes:,}, 2Ψ)")  # fmt: skip
@@ -222,14 +256,14 @@ def _stage3_worker(ctx, zero3_cls):
 
             def method(model, optimizer_class, options, built=built):
                 z = zero3_cls(model, optimizer_class, options)
-                built.append(model)
+                built.append((model, z))
                 return model, z, z.full_parameters
 
             out = zero_run.parity_worker(ctx, method, model=model_name, optimizer=opt, steps=3,
                                          global_batch=12 * n)  # fmt: skip
             worst = worst_of(out["diffs"])  # NaN if any is NaN
             if not worst < 1e-12:
-                if _held_bytes(built[0]):
+                if _held_bytes(built[0][0], built[0][1]):
                     hint = ("units were still gathered after the step, so the next forward found "
                             "them present and ran on stale parameters: free each unit after its "
                             "forward and after its backward")  # fmt: skip
@@ -247,10 +281,7 @@ def check_zero3(zero3_cls) -> None:
     their forward and their backward, freed after each, and whose gradients are reduce-scattered
     after their backward: equal to one process (tied and frozen layers included), one unit held
     at a time, 3Ψ per step."""
-    from ..zero import stage3
-    from .common import refuse_copies
 
-    refuse_copies("08.3", zero3_cls, (stage3.ShardedModel, stage3.Unit), PACKAGE_STAGE3)
     for n in (2, 3):
         launch_check("08.3", _stage3_worker, n, zero3_cls=zero3_cls, timeout=120)
     passed("08.3", "equal to one process on 2 and 3 ranks (tied and frozen layers), one unit "

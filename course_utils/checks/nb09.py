@@ -14,10 +14,9 @@ from .common import (
     OnlyCommunication,
     fail,
     launch_check,
+    no_store,
     passed,
     refuse_calls,
-    refuse_copies,
-    refused,
 )
 
 PACKAGE_MERGE = (
@@ -46,9 +45,29 @@ def _merge_cases():
     return out
 
 
+TORCH_MERGE = (
+    "that is torch's own context-parallel merger (_SDPAMerger): write the rescaling yourself"
+)
+
+
+def _torch_mergers() -> list:
+    """torch's merger of partial attention results, where this torch has one."""
+    import importlib
+
+    found = []
+    for module in ("torch.distributed.tensor.experimental._context_parallel._attention",
+                   "torch.distributed.tensor.experimental._attention"):  # fmt: skip
+        try:
+            merger = getattr(importlib.import_module(module), "_SDPAMerger", None)
+        except ImportError:
+            continue
+        if merger is not None and merger not in found:
+            found.append(merger)
+    return found
+
+
 def check_merge(merge) -> None:
     """Exercise 09.1: ``merge(out_a, lse_a, out_b, lse_b) -> (out, lse)``."""
-    refuse_copies("09.1", merge, [softmax.merge], PACKAGE_MERGE)
     cases = []  # computed before the student's code runs: the package's blocks use its merge
     for q, k, v, q_pos, k_pos in _merge_cases():
         want = softmax.attention(q.double(), k.double(), v.double(), True, q_pos, k_pos)
@@ -60,8 +79,8 @@ def check_merge(merge) -> None:
     x = torch.randn(1, 1, 2, 2, dtype=torch.float64)
     blind = softmax.block_attention(x, x, x, torch.zeros(2, 2, dtype=torch.bool))
     with contextlib.ExitStack() as watch:
-        watch.enter_context(refused("09.1", merge, softmax.merge, PACKAGE_MERGE))
         watch.enter_context(refuse_calls("09.1", [softmax.merge], PACKAGE_MERGE))
+        watch.enter_context(refuse_calls("09.1", _torch_mergers(), TORCH_MERGE))
         for dtype, top, want, a, b, has_blind in cases:
             for first, second in ((a, b), (b, a)):
                 got = merge(first[0], first[1], second[0], second[1])
@@ -99,9 +118,51 @@ def check_merge(merge) -> None:
            "hundreds), rows that see nothing handled")  # fmt: skip
 
 
-def _ring_worker(ctx, ring_forward, cases):
-    n, r = ctx.world_size, ctx.rank
+def _ring_worker(ctx, ring_forward, cases, subgroup=None):
+    """Every case on the whole world (group None), then, with ``subgroup`` (global ranks), the
+    same cases on a CP group whose group ranks differ from the global ones."""
+    world = list(range(ctx.world_size))
+    _ring_cases(ctx, ring_forward, cases, None, world)
+    if subgroup is not None:
+        group = dist.new_group(subgroup)  # every rank creates it, members or not
+        if ctx.rank in subgroup:
+            _ring_cases(ctx, ring_forward, cases, group, subgroup)
+    dist.barrier()
+    return True
+
+
+class _OneBlockAtATime(OnlyCommunication):
+    """OnlyCommunication (send and receive only), and fails as soon as any operation produces
+    scores of this rank's queries against more keys than one block holds."""
+
+    def __init__(self, rows: int, keys: int):
+        super().__init__("09.2", ("send", "recv_"), "ring attention passes K and V to the next "
+                         "rank with point-to-point sends only")  # fmt: skip
+        self.rows, self.keys = rows, keys
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if getattr(func, "namespace", "") == "aten":
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.dim() >= 3
+                    and t.shape[-2] == self.rows
+                    and t.shape[-1] > self.keys
+                ):
+                    fail("09.2", f"your code made a {tuple(t.shape)} tensor ({func}): scores of "
+                         f"this rank's {self.rows} queries against {t.shape[-1]} keys at once, "
+                         f"more than one block holds ({self.keys}). Ring attention attends to one "
+                         "block per step and merges it into the running result with the online "
+                         "softmax (09.1), so a rank never holds more than the block it works on "
+                         "and the one arriving")  # fmt: skip
+        return out
+
+
+def _ring_cases(ctx, ring_forward, cases, group, members):
+    n, r = len(members), members.index(ctx.rank)
     refs = [ring.RingAttention, ring.ring_attention, comm.Ring]
+    on = "the world" if group is None else f"a CP group of global ranks {members}"
     for layout, B, H, S, D in cases:
         pos = positions(layout, n, S)
         g = torch.Generator().manual_seed(S + H)  # the same whole tensors on every rank
@@ -115,16 +176,11 @@ def _ring_worker(ctx, ring_forward, cases):
         sent = []
         with contextlib.ExitStack() as watch:
             watch.enter_context(refuse_calls("09.2", refs, PACKAGE_RING))
-            comm_ = watch.enter_context(
-                OnlyCommunication(
-                    "09.2",
-                    ("send", "recv_"),
-                    "ring attention passes K and V to the next rank with point-to-point sends only",
-                )  # fmt: skip
-            )
+            watch.enter_context(no_store("09.2"))
+            comm_ = watch.enter_context(_OneBlockAtATime(ql.shape[-2], kl.shape[-2]))
             _count_sends(watch, sent)
-            got = ring_forward(ql, kl, vl, pos, None)
-        where = f"{n} ranks, {layout} layout, S={S}"
+            got = ring_forward(ql, kl, vl, pos, group)
+        where = f"{n} ranks on {on}, {layout} layout, S={S}"
         if not isinstance(got, torch.Tensor) or got.shape != ql.shape:
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             fail("09.2", f"with {where}, return this rank's output {tuple(ql.shape)}; got {shape}")
@@ -139,8 +195,6 @@ def _ring_worker(ctx, ring_forward, cases):
             fail("09.2", f"with {where}, rank {r} sent {sum(sent)} bytes; the ring passes its K "
                  f"and V n - 1 = {n - 1} times, {(n - 1) * kv_bytes} bytes (no more: the last "
                  "block needs no further hop)")  # fmt: skip
-    dist.barrier()
-    return True
 
 
 def _count_sends(watch, sent):
@@ -157,13 +211,13 @@ def _count_sends(watch, sent):
 
 def check_ring_forward(ring_forward) -> None:
     """Exercise 09.2: ``ring_forward(q, k, v, pos, group) -> out`` on every rank."""
-    refuse_copies("09.2", ring_forward, [ring.ring_attention, ring.RingAttention.forward],
-                  PACKAGE_RING)  # fmt: skip
     cases = [("contiguous", 2, 2, 12, 4), ("zigzag", 1, 3, 24, 2), ("zigzag", 2, 2, 12, 3)]
-    for n in (2, 3):
-        launch_check("09.2", _ring_worker, n, ring_forward=ring_forward, cases=cases, timeout=120)
-    passed("09.2", "equal to full causal attention on 2 and 3 ranks, both layouts, K and V "
-           "passed n - 1 times by point-to-point sends")  # fmt: skip
+    launch_check("09.2", _ring_worker, 2, ring_forward=ring_forward, cases=cases, timeout=120)
+    launch_check("09.2", _ring_worker, 3, ring_forward=ring_forward, cases=cases, subgroup=[1, 2],
+                 timeout=120)  # fmt: skip
+    passed("09.2", "equal to full causal attention on 2 and 3 ranks and on a CP group of global "
+           "ranks [1, 2], both layouts, one block of scores at a time, K and V passed n - 1 times "
+           "by point-to-point sends")  # fmt: skip
 
 
 def _a2a_worker(ctx, seq_to_head):
@@ -177,15 +231,22 @@ def _a2a_worker(ctx, seq_to_head):
             watch.enter_context(
                 refuse_calls(
                     "09.3",
-                    [comm.seq_to_head, comm._seq_to_head, ulysses.ulysses_attention],
+                    [
+                        comm.seq_to_head,
+                        comm._seq_to_head,
+                        comm.head_to_seq,
+                        comm._head_to_seq,
+                        ulysses.ulysses_attention,
+                    ],  # fmt: skip
                     PACKAGE_A2A,
                 )  # fmt: skip
             )
+            watch.enter_context(no_store("09.3"))
             c = watch.enter_context(
                 OnlyCommunication(
                     "09.3",
-                    ("alltoall_base_", "all_to_all_single"),
-                    "one all_to_all_single moves everything",
+                    ("alltoall_base_", "alltoall_", "all_to_all_single"),
+                    "one all-to-all moves everything",
                 )  # fmt: skip
             )
             got = seq_to_head(mine, None)
@@ -196,7 +257,7 @@ def _a2a_worker(ctx, seq_to_head):
                  f"{tuple(want.shape)}; got {shape}")  # fmt: skip
         if sum(c.calls.values()) != 1:
             fail("09.3", f"with {where}, {dict(c.calls) or 'no collective'}: use exactly one "
-                 "all_to_all_single")  # fmt: skip
+                 "all-to-all (all_to_all_single, or all_to_all of a list)")  # fmt: skip
         if not torch.equal(got, want):
             heads_ok = torch.equal(got.sort(-2).values, want.sort(-2).values)
             hint = (
@@ -212,7 +273,6 @@ def _a2a_worker(ctx, seq_to_head):
 
 def check_seq_to_head(seq_to_head) -> None:
     """Exercise 09.3: ``seq_to_head(x, group)``: (B, H, S/P, D) -> (B, H/P, S, D)."""
-    refuse_copies("09.3", seq_to_head, [comm.seq_to_head, comm._seq_to_head], PACKAGE_A2A)
     for p in (2, 4):
         launch_check("09.3", _a2a_worker, p, seq_to_head=seq_to_head, timeout=90)
     passed("09.3", "every rank ends with its heads over the whole sequence, in order, with one "

@@ -33,9 +33,12 @@ _OPS = {
     "_reduce_scatter_base_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
     "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "reduce_": ("reduce", 0),
     "broadcast_": ("broadcast", 0),
     "broadcast": ("broadcast", 0),
     "alltoall_base_": ("all_to_all", 1),
+    "alltoall_": ("all_to_all", 1),
+    "all_gather_into_tensor_out": ("all_gather", "out"),
     "all_to_all_single": ("all_to_all", 0),
 }
 
