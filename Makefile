@@ -13,7 +13,7 @@ KSPEC  := $(VENV)/share/jupyter/kernels/$(KERNEL)/kernel.json
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export JUPYTER_PATH := $(CURDIR)/$(VENV)/share/jupyter$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
 
-.PHONY: help setup hub-env lab update course student answers test test-fast test-floor test-contended preflight gpu-check lint format doctor clean FORCE
+.PHONY: help setup hub-env lab update course student answers test test-fast test-floor test-contended test-corpus preflight gpu-check lint format doctor clean FORCE
 COPIES ?= student
 
 help:
@@ -34,6 +34,7 @@ help:
 	@echo "make test-floor      the version-dependent tests on the oldest torch supported (.venv-floor)"
 	@echo "make test-contended [REPEAT=3]  every notebook at the ci size, and the schedule effects under"
 	@echo "                     modelled compute, while two busy loops hold the cores"
+	@echo "make test-corpus     every exercise check on every solution in tests/fixtures/solutions"
 	@echo "make format  ruff format + ruff check --fix"
 	@echo "make clean   remove build/ and the tools' caches"
 
@@ -113,6 +114,11 @@ test-contended: setup
 	for i in $$(seq $(REPEAT)); do \
 	  COURSE_CHECK_DEVICES=1 $(PY) -m pytest tests/test_notebooks_contended.py tests/test_modelled.py \
 	    -m contended -p no:cacheprovider || exit 1; done
+
+# Every exercise check on every solution of tests/fixtures/solutions (make test runs all of the
+# single-process ones and three correct and three wrong of each exercise that starts ranks).
+test-corpus: setup
+	COURSE_SIZE=ci COURSE_CORPUS=all $(PY) -m pytest tests/test_corpus.py -p no:cacheprovider
 
 test-fast: setup
 	COURSE_SIZE=ci $(PY) -m pytest tests -m "not slow and not notebook"
