@@ -16,6 +16,7 @@ from .common import (
     launch_check,
     no_store,
     passed,
+    patched_methods,
     refuse_calls,
 )
 
@@ -159,6 +160,25 @@ class _OneBlockAtATime(OnlyCommunication):
         return out
 
 
+def _global_peers(members, me):
+    """While the ring runs on a CP group: a P2POp whose peer is not another member's global rank
+    fails with what went wrong (a group rank where P2POp takes a global one), before torch's own
+    error about a rank outside the group or a send to oneself."""
+
+    def make(init):
+        def checked(self, op, tensor, peer=None, group=None, *args, **kwargs):
+            if peer is not None and (peer not in members or peer == me):
+                fail("09.2", f"global rank {me} posted a P2POp with peer {peer}, which is not "
+                     f"another rank of its CP group (global ranks {members}): P2POp takes global "
+                     "ranks, also inside a group; dist.get_global_rank(group, i) converts the "
+                     "group rank i")  # fmt: skip
+            return init(self, op, tensor, peer, group, *args, **kwargs)
+
+        return checked
+
+    return patched_methods(dist.P2POp, {"__init__": make})
+
+
 def _ring_cases(ctx, ring_forward, cases, group, members):
     n, r = len(members), members.index(ctx.rank)
     refs = [ring.RingAttention, ring.ring_attention, comm.Ring]
@@ -177,6 +197,8 @@ def _ring_cases(ctx, ring_forward, cases, group, members):
         with contextlib.ExitStack() as watch:
             watch.enter_context(refuse_calls("09.2", refs, PACKAGE_RING))
             watch.enter_context(no_store("09.2"))
+            if group is not None:
+                watch.enter_context(_global_peers(members, ctx.rank))
             comm_ = watch.enter_context(_OneBlockAtATime(ql.shape[-2], kl.shape[-2]))
             _count_sends(watch, sent)
             got = ring_forward(ql, kl, vl, pos, group)
