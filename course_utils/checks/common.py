@@ -25,14 +25,6 @@ def fail(number: str, message: str) -> None:
 
 
 @contextlib.contextmanager
-def refused(number: str, student_fn, reference, message: str):
-    """While the student's code runs, ``reference`` (a function or class the package holds)
-    raises instead, under every name and in every thread (:func:`refuse_calls`)."""
-    with refuse_calls(number, (reference,), message):
-        yield
-
-
-@contextlib.contextmanager
 def patched_methods(cls, replacements: dict):
     """Replace methods of ``cls`` (a pybind class such as ProcessGroup included) while the block
     runs. ``replacements`` maps a name to ``make(original)``, which gets the original as a plain

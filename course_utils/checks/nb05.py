@@ -10,7 +10,7 @@ import random
 from ..pipeline import p2p
 from ..pipeline.partition import balanced_split, partition
 from ..pipeline.simulate import schedule_order
-from .common import fail, passed, refuse_calls, refused
+from .common import fail, passed, refuse_calls
 
 
 def _as_pairs(actions) -> list[tuple[str, int]]:
@@ -32,7 +32,7 @@ def check_one_f_one_b(one_f_one_b) -> None:
     cases = [(2, 1), (2, 4), (3, 5), (4, 8), (4, 2), (4, 4), (8, 3), (5, 16)]
     for p, m in cases:
         want = [_as_pairs(acts) for acts in schedule_order("1f1b", p, m, 1)]
-        with refused("05.1", one_f_one_b, schedule_order, SIMULATOR):
+        with refuse_calls("05.1", [schedule_order], SIMULATOR):
             got = one_f_one_b(p, m)
         if len(got) != p:
             fail("05.1", f"for p={p}, m={m} return one list per stage ({p}), got {len(got)}")
@@ -94,8 +94,7 @@ def check_balanced_split(balanced_split_fn) -> None:
     for costs, p in cases:
         best = _worst(costs, balanced_split(costs, p))  # before the package's name is refused
         with (
-            refused("05.2", balanced_split_fn, balanced_split, PACKAGE_SPLIT),
-            refused("05.2", balanced_split_fn, partition, PACKAGE_SPLIT),
+            refuse_calls("05.2", [balanced_split, partition], PACKAGE_SPLIT),
         ):
             got = [tuple(b) for b in balanced_split_fn(list(costs), p)]
         where = f"costs {costs} on {p} stages"
