@@ -29,7 +29,9 @@ SIMULATOR = (
 
 def check_one_f_one_b(one_f_one_b) -> None:
     """Exercise 05.1: ``one_f_one_b(p, m)``: per stage, the ("F"|"B", micro-batch) order of 1F1B."""
-    cases = [(2, 1), (2, 4), (3, 5), (4, 8), (4, 2), (4, 4), (8, 3), (5, 16)]
+    fixed = [(2, 1), (2, 4), (3, 5), (4, 8), (4, 2), (4, 4), (8, 3), (5, 16)]
+    drawn = random.Random().sample([(p, m) for p in range(2, 17) for m in range(1, 65)], 4)
+    cases = fixed + drawn  # drawn afresh each call: an order built only for fixed pairs fails
     for p, m in cases:
         want = [_as_pairs(acts) for acts in schedule_order("1f1b", p, m, 1)]
         with refuse_calls("05.1", [schedule_order], SIMULATOR):
@@ -61,7 +63,8 @@ def check_one_f_one_b(one_f_one_b) -> None:
                 f"stage {s} of p={p}, m={m}: after the warm-up, 1F1B alternates one forward and one "
                 "backward, oldest micro-batch first, then drains the remaining backwards",
             )
-    passed("05.1", f"1F1B order equal to the simulator's for {len(cases)} (p, m) pairs")
+    passed("05.1", f"1F1B order equal to the simulator's for {len(fixed)} (p, m) pairs and "
+           f"{len(drawn)} drawn at random: {drawn}")  # fmt: skip
 
 
 def _worst(costs, bounds) -> float:
