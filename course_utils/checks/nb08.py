@@ -96,6 +96,9 @@ def _stage1_worker(ctx, zero1_step, steps: int = 3):
             zero1_step(flat_params, flat_grads, shard, opt)
         counts, sent = dict(comm.counts), dict(comm.bytes)
         where = f"on {n} ranks, step {step}"
+        fresh = torch.empty_like(flat_params)  # every rank's shard as it is now, after the step
+        dist.all_gather_into_tensor(fresh, shard.detach())
+        stale = not torch.equal(fresh, flat_params)
         if not opt.state.get(shard):
             fail("08.2", f"{where}, rank {r} did not step the optimizer it was given, which holds "
                  "this rank's shard and its state (1/n of a full optimizer's): put the shard's "
@@ -126,6 +129,10 @@ def _stage1_worker(ctx, zero1_step, steps: int = 3):
                 hint = "no parameter moved: put your gradient shard in shard.grad and step the optimizer"
             elif step == 1 and abs(moved / want - n) < 1e-6:
                 hint = f"the update is {n}× too large: did you divide by n (the mean, not the sum)?"
+            elif stale:
+                hint = ("after your call flat_params holds other ranks' shards that differ from "
+                        "those shards after the step: all-gather the shards after "
+                        "optimizer.step(), so that every rank receives the updated ones")  # fmt: skip
             else:
                 hint = ("rank r's shard is flat[r·S:(r+1)·S], S = len(flat) / n: the reduce-scatter's "
                         "output, divided by n, is its gradient")  # fmt: skip
@@ -187,6 +194,32 @@ def _no_fsdp():
     return refuse_calls("08.3", [fsdp.fully_shard, fsdp.FullyShardedDataParallel], FSDP)
 
 
+class _Stage3Errors:
+    """Turns the two torch errors a stage 3 typically runs into into what the student should do;
+    any other error passes through unchanged."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if kind is None or not issubclass(kind, RuntimeError):
+            return False
+        text = str(error).splitlines()[0] if str(error) else kind.__name__
+        if "out of bounds for storage of size 0" in text:
+            fail("08.3", f"rank {self.rank}: a parameter was read while its unit was freed "
+                 f"({text[:90]}...): a layer's backward reads its weights, so gather the unit "
+                 "again before its backward (for example from a hook on its forward's output), "
+                 "and free it after")  # fmt: skip
+        if "sizes" in text or "size" in text and "world" in text:
+            fail("08.3", f"rank {self.rank}: a collective refused its tensors' sizes ({text[:120]}"
+                 "): a reduce-scatter's input holds n shards, so pad each unit's flat gradients to "
+                 "n × the shard's length, as the unit's parameters are (the Bucket's padding)")  # fmt: skip
+        return False
+
+
 def _stage3_worker(ctx, zero3_cls):
     import contextlib
 
@@ -198,6 +231,7 @@ def _stage3_worker(ctx, zero3_cls):
     guard = contextlib.ExitStack()
     guard.enter_context(refuse_calls("08.3", [stage3.ShardedModel, stage3.Unit], PACKAGE_STAGE3))
     guard.enter_context(_no_fsdp())
+    guard.enter_context(_Stage3Errors(r))  # exits first: sees the student's errors raw
     with guard:
         # memory and bytes, on the MLP: one unit gathered at a time, 3Ψ per step
         torch.manual_seed(0)
@@ -267,6 +301,11 @@ def _stage3_worker(ctx, zero3_cls):
                     hint = ("units were still gathered after the step, so the next forward found "
                             "them present and ran on stale parameters: free each unit after its "
                             "forward and after its backward")  # fmt: skip
+                elif out["diffs"][0] < 1e-12:
+                    hint = ("the first step equals one process and a later one does not: "
+                            "something your class counts or keeps from one step to the next is "
+                            "not reset (the gradients arrived per unit, a flag, a gradient left in "
+                            "place)")  # fmt: skip
                 else:
                     hint = ("each unit's gradient shard is the reduce-scatter of its full "
                             "gradients, divided by n; the optimizer steps the shards")  # fmt: skip
