@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..measure import max_abs_diff
@@ -226,14 +227,27 @@ class _Streaming:
         self.steps = 0
         step = optimizer.step
 
+        self.after_first = None  # the parameters after the first step, to tell when they part
+
         def counted(*args, **kwargs):
             self.steps += 1
-            return step(*args, **kwargs)
+            out = step(*args, **kwargs)
+            if self.steps == 1:
+                self.after_first = [q.detach().clone() for g in optimizer.param_groups
+                                    for q in g["params"]]  # fmt: skip
+            return out
 
         optimizer.step = counted
 
     def __iter__(self):
         return self
+
+    def __getattr__(self, name):  # only for names the stream does not have
+        if name.startswith("__"):
+            raise AttributeError(name)
+        fail("03b.2", f"batches has no attribute {name!r}: it is a stream, read with next() or a "
+             "for loop, one batch per step. A data loader streams its batches; how many a rank "
+             "has is not known in advance")  # fmt: skip
 
     def __next__(self):
         if self.k > self.steps:
@@ -245,43 +259,80 @@ class _Streaming:
         return batch
 
 
+MISTAKES = {  # what a wrong answer's parameters can equal, and what that one process did
+    "world": "divides every step's summed gradient by all the ranks: once a rank has run out, "
+    "divide by the ranks that still had a batch",
+    "sum": "sums the ranks' gradients: the step takes their mean, over the ranks that still had a "
+    "batch",
+    "no_zero": "never zeroes its gradients, so every step adds the earlier steps' gradients: "
+    "zero them before each step's backward (a finished rank's too)",
+}
+
+
+def _one_process(data, lengths, device, variant="mean", steps=None):
+    """The parameters one process reaches on every rank's batches, each step averaging the ranks
+    that still had a batch (``mean``), or one of the :data:`MISTAKES`."""
+    torch.manual_seed(0)
+    reference = ToyMLP().double().to(device)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    n = len(lengths)
+    for s in range(max(lengths) if steps is None else steps):
+        if variant != "no_zero":
+            opt.zero_grad()
+        active = [q for q in range(n) if s < lengths[q]]
+        divisor = {"mean": len(active), "world": n, "sum": 1, "no_zero": len(active)}[variant]
+        for q in active:
+            x, y = data[q][s]
+            loss = nn.functional.cross_entropy(reference(x.to(device)), y.to(device))
+            (loss / divisor).backward()
+        opt.step()
+    return list(reference.parameters())
+
+
 def _uneven_worker(ctx, train_with_uneven_data, lengths):
     n, r = ctx.world_size, ctx.rank
-    torch.manual_seed(0)
-    reference = ToyMLP().double().to(ctx.device)
     torch.manual_seed(0)
     model = ToyMLP().double().to(ctx.device)
     # momentum: a rank that skipped a step would drift from the others for good
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     data = []
     for q in range(n):
         g = torch.Generator().manual_seed(q)
         data.append([(torch.randn(4, 16, generator=g, dtype=torch.float64),
                       torch.randint(4, (4,), generator=g)) for _ in range(lengths[q])])  # fmt: skip
     mine = [(x.to(ctx.device), y.to(ctx.device)) for x, y in data[r]]
+    stream = _Streaming(mine, opt)
     with _no_join_no_ddp(), no_store("03b.2"):
-        steps = train_with_uneven_data(model, opt, _Streaming(mine, opt))
+        steps = train_with_uneven_data(model, opt, stream)
     longest = max(lengths)
     if steps != longest:
         fail("03b.2", f"rank {r} took {steps} steps with {lengths[r]} batches, the ranks having "
              f"{lengths}: training goes on until the last rank runs out, {longest} steps on "
              "every rank")  # fmt: skip
-    for s in range(longest):  # one process: each step averages the ranks that still had a batch
-        opt_ref.zero_grad()
-        active = [q for q in range(n) if s < lengths[q]]
-        for q in active:
-            x, y = data[q][s]
-            loss = nn.functional.cross_entropy(reference(x.to(ctx.device)), y.to(ctx.device))
-            (loss / len(active)).backward()
-        opt_ref.step()
-    diff = max_abs_diff(zip(model.parameters(), reference.parameters()))
+    everyone = [None] * n  # every rank's parameters, to tell a rank that went its own way
+    dist.all_gather_object(everyone, [p.detach().cpu() for p in model.parameters()])
+    diff = max_abs_diff(zip(model.parameters(), _one_process(data, lengths, ctx.device, "mean")))
     if not diff <= 1e-12:  # a NaN fails too
         shorter = [q for q in range(n) if lengths[q] < longest]
-        fail("03b.2", f"rank {r}'s parameters differ from one process by {diff:.1e} after "
-             f"{longest} steps with {list(lengths)} batches: once rank(s) {shorter} ran out, one "
-             "process averages over the ranks that still had a batch (not over all of them), and "
-             "every rank, finished or not, takes that same step")  # fmt: skip
+        where = (f"rank {r}'s parameters differ from one process by {diff:.1e} after {longest} "
+                 f"steps with {list(lengths)} batches")  # fmt: skip
+        apart = max(max_abs_diff(zip(everyone[0], other)) for other in everyone)
+        if not apart <= 1e-12:
+            fail("03b.2", f"{where}, and the ranks ended with different parameters: every rank, "
+                 f"finished or not, takes every step (rank(s) {shorter} ran out early), with the "
+                 "same averaged gradient")  # fmt: skip
+        for variant, hint in MISTAKES.items():
+            ref = _one_process(data, lengths, ctx.device, variant)
+            if max_abs_diff(zip(model.parameters(), ref)) <= 1e-12:
+                fail("03b.2", f"{where}: they equal one process that {hint}")
+        first = _one_process(data, lengths, ctx.device, "mean", steps=1)
+        if stream.after_first and max_abs_diff(zip(stream.after_first, first)) <= 1e-12:
+            fail("03b.2", f"{where}, though the first step equals one process's: something is "
+                 "carried from one step to the next, most often gradients not zeroed before the "
+                 "next backward (a finished rank's too)")  # fmt: skip
+        fail("03b.2", f"{where}: once rank(s) {shorter} ran out, one process averages over the "
+             "ranks that still had a batch (not over all of them), and every rank, finished or "
+             "not, takes that same step")  # fmt: skip
     return steps
 
 
