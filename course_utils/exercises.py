@@ -98,7 +98,7 @@ def exercises(nb, name: str) -> list[Exercise]:
         if cell.cell_type == "markdown":
             for line in lines:
                 m = re.search(
-                    r"Exercise\s+(\d\d[a-z]?\.\d+)\s*(?:\(open\))?\s*[:.]\s*(.*?)\*{0,2}\s*$", line
+                    r"Exercise\s+(\d\d[a-z]?\.\d+)\s*(?:\([^)]*\))?\s*[:.]\s*(.*?)\*{0,2}\s*$", line
                 )
                 if m:
                     last_title = (m.group(1), m.group(2).strip(" *") or "open question")

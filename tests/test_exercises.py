@@ -79,6 +79,16 @@ def test_exercises_are_listed():
     assert found[0].title == "the sum of squares"
 
 
+def test_an_open_answer_goes_to_the_title_just_above_it_whatever_its_parenthesis():
+    nb = toy_notebook()
+    title = "**Exercise 09.3 (by hand first).** Count the bytes."
+    nb.cells.append(nbformat.v4.new_markdown_cell(title))
+    nb.cells.append(nbformat.v4.new_markdown_cell(f"{BEGIN}\nThree.\n{END}"))
+    found = exercises(nb, "09_toy")
+    assert [(e.number, e.kind) for e in found][-1] == ("09.3", "open")
+    assert found[-1].title == "Count the bytes."
+
+
 @pytest.mark.parametrize(
     "source, words",
     [
