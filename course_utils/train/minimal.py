@@ -31,12 +31,13 @@ def main():
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend)  # env://: MASTER_ADDR and MASTER_PORT come from torchrun
+    # env://: MASTER_ADDR and MASTER_PORT come from torchrun; device_id binds NCCL to this GPU
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    if local_rank == 0:  # one download per node; the node's other ranks wait at the barrier
-        load_dataset("cifar10", root=args.data_dir, download=args.download)
-    dist.barrier()
+    if args.download and rank == 0:  # once, into a --data-dir that every node reads; on a
+        load_dataset("cifar10", root=args.data_dir, download=True)  # cluster, stage it instead
+    dist.barrier()  # the other ranks wait until the data is there
     data = load_dataset("cifar10", root=args.data_dir, limit=args.limit).dataset
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=64 // world, sampler=sampler, drop_last=True)
