@@ -12,8 +12,11 @@ and so on. ``capacity_factor=None``: no limit (dropless, as Megatron-Core and Me
 
 **Load-balancing loss** (Switch Transformer, eq. 4; Megatron-Core's ``switch_load_balancing``):
 ``aux = E · Σ_i f_i · P_i``, with ``f_i`` the fraction of the ``T·k`` assignments routed to expert
-``i`` (before dropping) and ``P_i`` the mean probability the router gives it. It is 1 when the load
-is even and grows as it concentrates; only ``P`` carries a gradient.
+``i`` (before dropping) and ``P_i`` the mean probability the router gives it. Only ``P`` carries a
+gradient, ``E·f_i`` for expert ``i``: descending it moves probability away from the busiest experts.
+Its value is not a measure of imbalance: it is 1 when load and probabilities are even, at least 1
+when the probabilities follow the load, and can fall below 1 when they do not (k = 1, a 70/30 load
+whose mean probabilities are 0.4/0.6: 2·(0.7·0.4 + 0.3·0.6) = 0.92).
 
 Single-device (no ``torch.distributed``): the expert-parallel layer routes each rank's tokens with
 it. Taught in notebook 10.
