@@ -235,7 +235,7 @@ def table(r: dict) -> str:
         f"calibration: α = {cal['alpha'] * 1e6:.0f} µs, β = {cal['beta'] / 1e9:.2f} GB/s "
         f"(all-reduce in 4 concurrent groups of 2); {rate}",
         "",
-        "| dp | pp | tp | step ms measured | predicted | error | memory MiB measured | "
+        "| dp | pp | tp | step ms measured | predicted | error | memory MiB counted | "
         "predicted | error | predicted terms (compute, bubble, tp, pp, dp) ms | CPU work ms |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]

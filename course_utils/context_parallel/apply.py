@@ -67,10 +67,15 @@ def apply_cp(
     return pos
 
 
+IGNORE = -100  # cross_entropy's ignore_index: a position without a target
+
+
 def cp_parity_worker(ctx, cfg, method: str, layout: str, steps: int = 3, batch: int = 2, lr=0.1):
     """Train the GPT with context parallelism over every rank for ``steps`` SGD steps and, in the
     same process, a single-device copy on the whole sequences; returns the largest differences
-    of the losses and of the parameters (float64)."""
+    of the losses and of the parameters (float64). The targets are the next tokens, shifted on the
+    whole sequence before it is sharded, and the last position has none: a rank that shifted its
+    own shard, or divided by its own token count, would differ from one process."""
     torch.manual_seed(0)
     ref = GPT(cfg).double().to(ctx.device)
     model = copy.deepcopy(ref)
@@ -82,17 +87,20 @@ def cp_parity_worker(ctx, cfg, method: str, layout: str, steps: int = 3, batch: 
     out = {"loss": 0.0, "params": 0.0}
     for _ in range(steps):
         ids = torch.randint(cfg.vocab, (batch, cfg.seq_len), generator=gen).to(ctx.device)
-        tgt = torch.randint(cfg.vocab, (batch, cfg.seq_len), generator=gen).to(ctx.device)
-        full = F.cross_entropy(ref(ids).flatten(0, 1), tgt.flatten())
+        tgt = ids.roll(-1, 1)  # next-token targets: shifted on the whole sequence, then sharded
+        tgt[:, -1] = IGNORE  # the last token has no next one (its rank has one real token less)
+        counted = int((tgt != IGNORE).sum())  # the whole batch's real targets
+        full = F.cross_entropy(ref(ids).flatten(0, 1), tgt.flatten(), ignore_index=IGNORE)
         full.backward()
         logits = model(ids[:, mine], positions=mine)  # (B, S/P, vocab)
-        local = F.cross_entropy(logits.flatten(0, 1), tgt[:, mine].flatten(), reduction="sum")
-        (local / tgt.numel()).backward()  # this rank's share of the mean over every token
+        local = F.cross_entropy(logits.flatten(0, 1), tgt[:, mine].flatten(), reduction="sum",
+                                ignore_index=IGNORE)  # fmt: skip
+        (local / counted).backward()  # this rank's share of the mean over every real target
         for prm in model.parameters():
             dist.all_reduce(prm.grad)  # weights are whole on every rank: sum the shares
         loss = local.detach().clone()
         dist.all_reduce(loss)
-        out["loss"] = worst([out["loss"], abs(float(loss) / tgt.numel() - float(full))])
+        out["loss"] = worst([out["loss"], abs(float(loss) / counted - float(full))])
         opt_ref.step(), opt.step()
         opt_ref.zero_grad(), opt.zero_grad()
     out["params"] = max_abs_diff(zip(model.parameters(), ref.parameters()))  # NaN if any is
