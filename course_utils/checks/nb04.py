@@ -150,7 +150,8 @@ def check_exposed_communication(exposed_communication_ms, traces=None) -> None:
                 )
             else:
                 hint = (
-                    "too little: the training thread waiting inside its own c10d:: call is not "
+                    "too little: time the training thread spends in a collective (a c10d:: call, "
+                    "or waiting for gloo's thread, whose gloo: events hold the wait) is not "
                     "computing (take that time out of compute), and a user_annotation such as "
                     "DistributedDataParallel.forward labels a span, it is not work"
                 )
