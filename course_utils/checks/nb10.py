@@ -33,6 +33,32 @@ def _route_cases():
     return cases
 
 
+KEEP_MISTAKES = {  # a wrong keep that equals one of these is told which it is
+    "none": " (you kept every assignment: capacity_factor limits each expert)",
+    "floor": " (your capacity is rounded down: round it up)",
+    "token-major": " (you gave places token by token, each token's k choices together)",
+}
+
+
+def _keep(experts, E, cf, how):
+    """Which assignments are kept when places are given the way ``how`` says (a mistake)."""
+    T, k = experts.shape
+    if how == "none" or cf is None:
+        return torch.ones(T, k, dtype=torch.bool)
+    raw = cf * T * k / E
+    cap = int(raw) if how == "floor" else -int(-raw // 1)
+    if how == "token-major":
+        order = [(t, j) for t in range(T) for j in range(k)]
+    else:  # every first choice in token order, then every second choice, ...
+        order = [(t, j) for j in range(k) for t in range(T)]
+    taken, keep = [0] * E, torch.zeros(T, k, dtype=torch.bool)
+    for t, j in order:
+        e = int(experts[t, j])
+        if taken[e] < cap:
+            taken[e], keep[t, j] = taken[e] + 1, True
+    return keep
+
+
 def check_route(route) -> None:
     """Exercise 10.1: ``route(logits, k, capacity_factor) -> (experts, weights, keep, aux_loss)``."""
     cases = []  # the answers, computed before the student's code runs
@@ -63,7 +89,10 @@ def check_route(route) -> None:
                 )
                 fail("10.1", f"with {where}, the weights differ: {hint}")
             if not torch.equal(torch.as_tensor(keep).bool(), want.keep):
-                fail("10.1", f"with {where}, the kept assignments differ: an expert takes "
+                said = next((why for how, why in KEEP_MISTAKES.items() if torch.equal(
+                    torch.as_tensor(keep).bool(), _keep(want.experts, logits.shape[1], cf, how))),
+                    "")  # fmt: skip
+                fail("10.1", f"with {where}, the kept assignments differ{said}: an expert takes "
                      "ceil(capacity_factor · T·k / E) of them, every token's first choice in "
                      "token order before any second choice; None means no limit")  # fmt: skip
             # detached: torch warns when a tensor that needs a gradient becomes a Python float
