@@ -169,7 +169,7 @@ def test_decide_follows_the_lectures_rules():
     from dataclasses import replace
 
     from course_utils.comm_model import AlphaBeta
-    from course_utils.plan import A100_80GB, GPT3_175B, Transformer
+    from course_utils.plan import A100_80GB, GPT3_175B, Transformer, plan
     from course_utils.zero.decide import decide, table
 
     small = Transformer(24, 2048, 16, 2048, 51200, 512, name="1.3B")
@@ -189,10 +189,18 @@ def test_decide_follows_the_lectures_rules():
     w = decide(wide, A100_80GB, 64)
     assert not any(row["fits"] for row in w["rows"])
     assert "tensor parallelism inside a node" in w["advice"][0] and w["overall"].choice.tp > 1
-    # no fast link inside the node (PCIe): pipeline parallelism, not TP
+    # no fast link inside the node (PCIe): the lectures say pipeline rather than TP, but the advice
+    # follows the planner's pick, and here TP over PCIe is faster than any layout without it
     pcie = replace(A100_80GB, intra=AlphaBeta(10e-6, 25e9), name="PCIe")
     p = decide(wide, pcie, 64)
-    assert "pipeline parallelism" in p["advice"][0] and "PCIe only" in p["advice"][0]
+    assert "PCIe only" in p["advice"][0] and "yet tensor parallelism" in p["advice"][0]
+    no_tp = min((q for q in plan(wide, pcie, 64) if q.fits and q.choice.tp == 1),
+                key=lambda q: q.time["total"])  # fmt: skip
+    assert p["overall"].choice.tp > 1 and p["overall"].time["total"] < no_tp.time["total"]
+    assert f"dp={no_tp.choice.dp} pp={no_tp.choice.pp} tp=1" in p["advice"][0]
+    # long sequences whose activations fit no layout without TP: the advice says so
+    long = decide(Transformer(16, 16384, 128, 16384, 51200, 16, name="long"), pcie, 16)
+    assert "no layout without TP fits" in long["advice"][0] and long["overall"].choice.tp > 1
     assert "fits in 72 GB?" in table(r)
     with pytest.raises(ValueError, match="does not split over 7"):
         decide(small, A100_80GB, 7)

@@ -11,6 +11,8 @@ The CSC lecture's rules, in the order they are asked:
 3. the GPUs of a node have **no fast link between them** (PCIe only: no NVLink or its peers) →
    **pipeline parallelism** instead of TP (notebook 05): it sends only activations at stage
    boundaries, point to point, which PCIe tolerates; TP's per-layer all-reduces would wait on it.
+   A pipeline keeps each layer whole on one GPU, though: when a layer does not fit (or every
+   layout without TP is slower) the advice says so and names the planner's TP layout.
 
 Memory and time come from :mod:`course_utils.plan`: ZeRO's states of the shard (08), Korthikanti's
 activations (06), compute at a compute-only efficiency, the α–β cost of each collective (03),
@@ -53,7 +55,8 @@ def decide(model: Transformer, cluster: Cluster, n_gpus: int, **kw) -> dict:
         rows.append({"stage": z, "name": NAMES[z], "bytes": best.memory["total"],
                      "states": best.memory["model_states"], "activations": best.memory["activations"],
                      "step_s": best.time["total"], "fits": best.fits, "prediction": best})  # fmt: skip
-    overall = plan(model, cluster, n_gpus, **kw)[0]
+    ranked = plan(model, cluster, n_gpus, **kw)
+    overall = ranked[0]
     fitting = [r for r in rows if r["fits"]]
     advice = []
     fast = cluster.intra.beta >= FAST_LINK
@@ -74,10 +77,19 @@ def decide(model: Transformer, cluster: Cluster, n_gpus: int, **kw) -> dict:
                    "gathered whole, or a micro-batch's activations, is too large): model "
                    "parallelism, tensor parallelism inside a node on its fast link")  # fmt: skip
         else:
-            why = ("no data-parallel stage fits, and this node has no fast link between its GPUs "
-                   f"(PCIe only, {cluster.intra.beta / 1e9:.0f} GB/s): pipeline parallelism, whose "
-                   "point-to-point activations PCIe tolerates, rather than TP's per-layer "
-                   "all-reduces")  # fmt: skip
+            slow = ("no data-parallel stage fits, and this node has no fast link between its GPUs "
+                    f"(PCIe only, {cluster.intra.beta / 1e9:.0f} GB/s)")  # fmt: skip
+            no_tp = min((p for p in ranked if p.fits and p.choice.tp == 1), default=None,
+                        key=lambda p: p.time["total"])  # fmt: skip
+            if overall.choice.tp == 1:
+                why = (f"{slow}: pipeline parallelism, whose point-to-point activations PCIe "
+                       "tolerates, rather than TP's per-layer all-reduces")  # fmt: skip
+            elif no_tp is None:
+                why = (f"{slow}, yet tensor parallelism over it: a pipeline keeps each layer whole "
+                       "on one GPU, and no layout without TP fits")  # fmt: skip
+            else:
+                why = (f"{slow}, yet tensor parallelism over it: the fastest layout without TP, "
+                       f"{_layout(no_tp)}, takes {no_tp.time['total']:.3g} s per step")  # fmt: skip
         advice.append(f"{why}; the planner's pick: {_layout(overall)}, "
                       f"{overall.time['total']:.3g} s per step")  # fmt: skip
     else:
