@@ -195,15 +195,28 @@ def _loss_worker(ctx, ce_cls, cases):
                 fail("06.3", f"{where}: backward communicated ({dict(bwd.calls)}); the gradient of "
                      "each rank's slice can be computed from what forward kept")  # fmt: skip
         tol = 1e-10 if dtype == torch.float64 else 1e-4
-        err = (got.detach().double() - want.detach()).abs().max().item()
+        every = [None] * t  # every rank's loss: equal, when right
+        dist.all_gather_object(every, got.detach().double().cpu())
+        off = (got.detach().double() - want.detach()).abs().cpu()  # (n,)
+        err = off.max().item()
         if not err <= tol:  # also catches nan and inf
-            hint = (
-                "exp of large logits overflows: subtract the largest logit of the token (over "
-                "the whole vocabulary, every rank's slice) before exponentiating"
-                if not torch.isfinite(got).all()
-                else "the loss is log(sum over the whole vocabulary of exp(logit)) minus the "
-                "target's logit, and the target's logit lives on one rank only"
-            )
+            bounds = {q * (v // t) for q in range(t)} | {(q + 1) * (v // t) - 1 for q in range(t)}
+            at_edge = torch.tensor([int(y) in bounds for y in target.cpu()])
+            if not torch.isfinite(got).all():
+                hint = ("exp of large logits overflows: subtract the largest logit of the token "
+                        "(over the whole vocabulary, every rank's slice) before exponentiating")  # fmt: skip
+            elif max((e - every[0]).abs().max().item() for e in every) > tol:
+                hint = ("the ranks return different losses for the same tokens: the largest logit "
+                        "and the sum of exp must be over the whole vocabulary (all-reduce the max "
+                        "before shifting by it), so that every rank ends with the same numbers")  # fmt: skip
+            elif bool((off > tol).any()) and bool(at_edge[off > tol].all()):
+                hint = (f"only tokens whose target is the first or last id of a rank's range are "
+                        f"wrong: rank r holds ids r·{v // t} .. (r+1)·{v // t} − 1, end "
+                        "excluded, so check the ends of your range")  # fmt: skip
+            else:
+                hint = ("the loss is log(sum over the whole vocabulary of exp(logit)) minus the "
+                        "target's logit, and the target's logit lives on one rank only: the "
+                        "others must add 0 for it (mask the targets outside your range)")  # fmt: skip
             fail("06.3", f"{where}: rank {r}'s loss differs from one process by {err:.2g}: {hint}")
         want_grad = full.grad.chunk(t, -1)[r]
         gerr = (mine.grad.double() - want_grad).abs().max().item() if mine.grad is not None else 1
