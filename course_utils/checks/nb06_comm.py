@@ -19,6 +19,28 @@ PACKAGE_F_G = (
 REDUCE_ONLY = "f and g need all-reduces only"
 
 
+NON_CONTIGUOUS = (
+    "f's backward all-reduced a tensor that is not contiguous in memory (the gradient it received "
+    'came through a transpose): gloo accepts it, NCCL refuses it ("Tensors must be contiguous"), '
+    "so this check refuses it too: all-reduce grad.contiguous() (a copy only when needed)"
+)
+
+
+class _ReduceContiguous(OnlyCommunication):
+    """All-reduces only, and c10d's in-place one only on contiguous tensors, as NCCL requires."""
+
+    def __init__(self):
+        super().__init__("06.1", ("allreduce_", "all_reduce"), REDUCE_ONLY)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", "") == "c10d" and func._schema.name == "c10d::allreduce_":
+            first = args[0] if args else None
+            tensors = first if isinstance(first, (list, tuple)) else [first]
+            if any(isinstance(x, torch.Tensor) and not x.is_contiguous() for x in tensors):
+                fail("06.1", NON_CONTIGUOUS)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def _f_g_worker(ctx, copy_cls, reduce_cls):
     t, r = ctx.world_size, ctx.rank
     refs = [comm._CopyToTP, comm._ReduceFromTP, comm.copy_to_tp, comm.reduce_from_tp]
@@ -44,7 +66,7 @@ def _f_g_worker(ctx, copy_cls, reduce_cls):
         # a gradient laid out transposed in memory, as one arriving through a transpose is: the
         # all-reduce needs a contiguous tensor
         strided = grads[r].clone().transpose(-1, -2).contiguous().transpose(-1, -2)
-        with OnlyCommunication("06.1", ("allreduce_", "all_reduce"), REDUCE_ONLY) as bwd:
+        with _ReduceContiguous() as bwd:
             try:
                 y.backward(strided)
             except RuntimeError as err:
