@@ -71,8 +71,8 @@ def _ring_worker(ctx, ring_all_reduce, sizes, dtypes):
                     elif any(chunks_ok):
                         hint = (
                             f"{sum(chunks_ok)} of {n} chunks are right: after the reduce-scatter each "
-                            "rank owns one fully summed chunk, and the all-gather must carry every "
-                            "chunk around the ring"
+                            "rank owns one fully summed chunk (which one depends on your ring), and the all-gather "
+                            "must carry every chunk around the ring"
                         )
                     else:
                         hint = (
