@@ -46,8 +46,9 @@ def parity_worker(
 ) -> list[float]:
     """Run under ``launch``: max |param difference| to single-process training after each step.
 
-    ``accumulate > 1`` splits every step into micro-batches, syncing only on the last one
-    (``no_sync``), against the reference's single backward on the whole global batch.
+    ``accumulate > 1`` splits every step into micro-batches (``chunk``: uneven when the shard does
+    not divide), each loss weighted by its share of the shard's samples, syncing only on the last
+    one (``no_sync``), against the reference's single backward on the whole global batch.
     ``rank_dependent``: see the module docstring. ``optimizer``: ``"sgd"`` or ``"adam"``.
     """
     import torch.distributed as dist
@@ -90,7 +91,8 @@ def parity_worker(
                 else contextlib.nullcontext()
             )
             with ctx_mgr:
-                (nn.functional.cross_entropy(model(xm), ym) / accumulate).backward()
+                # weighted by its share of the shard's samples: right for uneven micro-batches
+                (nn.functional.cross_entropy(model(xm), ym) * len(xm) / len(xs)).backward()
         finish()
         opt.step()
         diffs.append(max_param_diff(reference, inner))
