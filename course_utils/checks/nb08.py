@@ -213,7 +213,7 @@ class _Stage3Errors:
                  f"({text[:90]}...): a layer's backward reads its weights, so gather the unit "
                  "again before its backward (for example from a hook on its forward's output), "
                  "and free it after")  # fmt: skip
-        if "sizes" in text or "size" in text and "world" in text:
+        if "sizes" in text or ("size" in text and "world" in text):
             fail("08.3", f"rank {self.rank}: a collective refused its tensors' sizes ({text[:120]}"
                  "): a reduce-scatter's input holds n shards, so pad each unit's flat gradients to "
                  "n × the shard's length, as the unit's parameters are (the Bucket's padding)")  # fmt: skip

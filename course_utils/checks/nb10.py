@@ -4,6 +4,7 @@ load-balancing loss (10.1), and the dispatch and combine of an expert-parallel l
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -45,8 +46,10 @@ def _keep(experts, E, cf, how):
     T, k = experts.shape
     if how == "none" or cf is None:
         return torch.ones(T, k, dtype=torch.bool)
-    raw = cf * T * k / E
-    cap = int(raw) if how == "floor" else -int(-raw // 1)
+    cap = router.capacity(T, E, k, cf)  # rounded up, as route() does
+    if how == "floor":
+        share = cf * T * k / E
+        cap = math.floor(share + 1e-9 * max(1.0, share))  # a rounding error is not a fraction
     if how == "token-major":
         order = [(t, j) for t in range(T) for j in range(k)]
     else:  # every first choice in token order, then every second choice, ...
