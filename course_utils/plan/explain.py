@@ -7,10 +7,10 @@ import math
 
 from ..pipeline.simulate import theory_bubble
 from ..zero import STAGES
-from .layouts import Prediction
+from .layouts import Prediction, tie_rule
 from .model import GB, Cluster, Transformer
 
-TERMS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm")
+TERMS = ("compute", "bubble", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm")
 
 
 def _s(x: float) -> str:
@@ -31,10 +31,19 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
     c, T, d, g = pred.choice, pred.time, pred.detail, cluster.gpus_per_node
     nodes = math.ceil(c.n_gpus / g)
     v = f", v={c.interleave} chunks per stage" if c.interleave > 1 else ""
+    extra = "".join(f" × {k}={getattr(c, k)}" for k in ("cp", "ep") if getattr(c, k) > 1)
+    st = d["states"]
+    per_param = st["param"] + st["grad"] + st["optim"]
     lines = [
-        f"dp={c.dp} × pp={c.pp} × tp={c.tp} on {c.n_gpus} GPUs ({nodes} node(s) of {g}), "
-        f"m={c.micro_batches} micro-batches of b={d['b']}{v}, ZeRO-{c.zero}, recomputation "
-        f"{d['recompute']}, attention {d['attention']}: {_s(T['total'])} per step predicted."
+        f"dp={c.dp} × pp={c.pp} × tp={c.tp}{extra} on {c.n_gpus} GPUs ({nodes} node(s) of {g}), "
+        f"m={c.micro_batches} micro-batches of b={d['b']}{v}, {c.family}, recomputation "
+        f"{d['recompute']}, attention {d['attention']}, "
+        + ("sequence parallelism" if d["sequence_parallel"] else "no sequence parallelism")
+        + f": {_s(T['total'])} per step predicted.",
+        f"Model states as {st['name']} keeps them: {per_param:g} bytes per parameter "
+        f"({st['param']:g} parameter, {st['grad']:g} gradient, {st['optim']:g} optimizer and "
+        f"master copy), parameters gathered in {st['gather']:g}-byte and gradients reduced in "
+        f"{st['reduce']:g}-byte values.",
     ]
     tp_bytes = d["tp_bytes"] / GB
     if c.tp == 1:
@@ -114,6 +123,25 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
         )
         + f". Compute runs at {d['efficiency']:.0%} of peak at this micro-batch."
     )
+    if c.cp > 1:
+        lines.append(f"CP={c.cp} ({pred.links['cp']}): each sequence split {c.cp} ways, K and V "
+                     f"gathered per layer: {_hidden(pred, 'cp_comm')}.")  # fmt: skip
+    if c.ep > 1:
+        lines.append(f"EP={c.ep} ({pred.links['ep']}): each MoE layer's experts split {c.ep} ways, "
+                     f"tokens sent by all-to-all: {_hidden(pred, 'ep_comm')}.")  # fmt: skip
+    on = [k.upper() for k, v in d["overlaps"].items() if v]
+    if on:
+        lines.append(f"Overlapped as the run had it: {', '.join(on)} communication behind the "
+                     "computation that feeds it.")  # fmt: skip
+    rule = tie_rule(cluster)[1]
+    if pred.tied:
+        lines.append(
+            f"Within 5% of the fastest layout that fits, an equal, ordered by a rule: {rule}."
+        )
+    else:
+        lines.append(
+            f"Layouts within 5% of the fastest would be equals, ordered by a rule: {rule}."
+        )
     if pred.reasons:
         lines.append("Does not fit or is invalid: " + "; ".join(pred.reasons) + ".")
     return "\n".join(lines)
@@ -121,14 +149,17 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
 
 def table(preds: list[Prediction], limit: int | None = None) -> str:
     """A markdown table of predictions, one row each."""
-    head = ["dp", "pp", "tp", "zero", "m", "b", "v", "recompute", "memory GB", "step s", *TERMS,
-            "fits"]  # fmt: skip
+    head = ["dp", "pp", "tp", "cp", "ep", "zero", "m", "b", "v", "recompute", "memory GB",
+            "step s", *TERMS, "fits"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * (len(head) - 1) + ":---:|"]
     for p in preds[:limit]:
         c = p.choice
-        cells = [c.dp, c.pp, c.tp, c.zero, c.micro_batches, p.detail["b"], c.interleave,
-                 p.detail["recompute"]]  # fmt: skip
-        cells += [f"{p.memory['total'] / GB:.1f}", f"{p.time['total']:.3g}"]
+        cells = [c.dp, c.pp, c.tp, c.cp, c.ep, c.family, c.micro_batches, p.detail["b"],
+                 c.interleave, p.detail["recompute"]]  # fmt: skip
+        cells += [
+            f"{p.memory['total'] / GB:.1f}",
+            f"{p.time['total']:.3g}" + (" ≈" if p.tied else ""),
+        ]
         cells += [f"{p.time[key]:.3g}" for key in TERMS] + ["yes" if p.fits else "no"]
         lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     return "\n".join(lines)

@@ -1,15 +1,18 @@
 """Every layout of ``n`` GPUs, checked, placed on the links, predicted and ranked.
 
-**Placement**: rank ``= pp_idx·(dp·tp) + dp_idx·tp + tp_idx`` (TP innermost, then DP, PP
-outermost: Megatron-Core's order). A dimension's groups use the ``intra`` link when each lies on
-one node, else ``inter``: a ring with one inter-node hop runs at the slower link's speed.
+**Placement**: Megatron-Core's order, TP innermost, then CP, then DP, PP outermost:
+``rank = ((pp_idx·dp + dp_idx)·cp + cp_idx)·tp + tp_idx``; expert parallelism is carved out of
+the ``dp × cp`` ranks (consecutive ones first), HSDP's shard groups are the inner part of
+``dp``. A dimension's groups use the ``intra`` link when each lies on one node, else ``inter``: a
+ring with one inter-node hop runs at the slower link's speed.
 
 **Ranking**: layouts that fit first; among them, those whose TP groups stay inside a node before
-those whose TP crosses nodes (a layout with TP on the network is never the top pick while one
-without fits); then the fastest; equal times go to the lower ZeRO stage and the smaller memory.
-Among the layouts within ``tolerance`` (3%) of the fastest, far inside the model's own error, the
-simplest comes first, as practitioners choose: fewer pipeline stages, then no interleaving, then
-less tensor parallelism, then a lower ZeRO stage.
+those whose TP crosses nodes; then the fastest. Layouts within ``tolerance`` of the fastest (5%,
+the model's own uncertainty for a comparison: see :data:`TIE_TOLERANCE`) are *equals*, marked
+``tied`` and ordered by the practitioner's rule of :func:`tie_rule`: on a fast network, the
+fewest pipeline stages (TP up to the node first, as Narayanan et al. advise), then the least TP
+and CP, no interleaving and the lower ZeRO stage; on a slow one, the least TP and CP, then the
+fewest bytes per GPU across it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..tensor_parallel.measure import megatron_bytes_per_layer, ring_bytes
-from .memory import activations, layer_activation_bytes, model_states
+from .memory import activations, layer_activation_bytes, model_states, state_bytes
 from .model import (
     GB,
     RECOMPUTE,
@@ -30,7 +33,18 @@ from .model import (
     _recompute_mode,
     layers_per_stage,
 )
-from .step_time import _dp_ops, step_time
+from .step_time import step_time
+
+TIE_TOLERANCE = 0.05
+"""Layouts within 5% of the fastest are equals. Against Megatron-LM's Table 1 the planner's
+absolute times spread over about 15% (``test_narayanan_table1_layouts_predicted_within_20_percent``);
+two layouts of one model on one cluster share most of those errors (the same efficiency, the same
+links), so a difference below 5% says nothing about which is faster."""
+
+SLOW_NETWORK = 25e9
+"""Bytes per second per GPU across nodes below which the network is slow for the tie rule:
+HDR InfiniBand with one 200 Gb/s port per GPU (25 GB/s) and faster is fast; BLOOM's Omni-Path,
+4 × 100 Gb/s per 8 GPUs (6.25 GB/s per GPU), is slow."""
 
 
 @dataclass
@@ -41,17 +55,21 @@ class Prediction:
     memory: dict
     """Bytes per GPU: ``model_states``, ``activations``, ``total``, and the usable ``limit``."""
     time: dict
-    """Seconds per step, exposed: ``compute``, ``bubble``, ``tp_comm``, ``pp_comm``, ``dp_comm``,
-    ``total``."""
+    """Seconds per step, exposed: ``compute``, ``bubble``, ``tp_comm``, ``cp_comm``, ``ep_comm``,
+    ``pp_comm``, ``dp_comm``, ``total``."""
     links: dict
-    """``{"tp": "intra" | "inter", "pp": ..., "dp": ...}`` as placed."""
+    """``{"tp": "intra" | "inter", "cp": ..., "ep": ..., "dp": ..., "replicate": ..., "pp": ...}``
+    as placed."""
     fits: bool
     reasons: list[str]
     """Why it does not fit or is invalid, with the numbers; empty when it fits."""
     detail: dict = field(default_factory=dict)
     """``b``, ``params_per_gpu``, ``layers_per_stage``, ``recompute``, ``attention``,
     ``sequence_parallel``, ``states_by_stage``, ``hidden`` (seconds each communication term hid),
-    ``tp_bytes``, ``dp_bytes``, ..."""
+    ``tp_bytes``, ``dp_bytes``, ``states`` (bytes per parameter), ``inter_bytes``, ..."""
+    tied: bool = False
+    """Within :data:`TIE_TOLERANCE` of the fastest layout that fits: an equal, ordered by the tie
+    rule, not by time."""
 
 
 def problems(model: Transformer, choice: Choice, n_gpus: int | None = None) -> list[str]:
@@ -67,6 +85,17 @@ def problems(model: Transformer, choice: Choice, n_gpus: int | None = None) -> l
     for name, size in sizes.items():
         if size % c.tp:
             out.append(f"{name}={size} is not divisible by tp={c.tp}")
+    if model.seq_len % (2 * c.cp) and c.cp > 1:
+        out.append(f"seq_len={model.seq_len} is not divisible by 2·cp={2 * c.cp} (context "
+                   "parallelism cuts each sequence into 2·cp chunks to balance causal attention)")  # fmt: skip
+    if c.ep > 1:
+        if not model.moe:
+            out.append(f"ep={c.ep} but {model.name or 'the model'} has no experts")
+        elif model.experts % c.ep:
+            out.append(f"experts={model.experts} is not divisible by ep={c.ep}")
+        if (c.dp * c.cp) % c.ep:
+            out.append(f"ep={c.ep} must divide dp·cp={c.dp * c.cp}: experts are split over the "
+                       "data- and context-parallel ranks")  # fmt: skip
     chunks = c.pp * c.interleave
     if model.layers < chunks:
         out.append(f"layers={model.layers} < pp={c.pp} × v={c.interleave}: a stage chunk would "
@@ -82,18 +111,37 @@ def problems(model: Transformer, choice: Choice, n_gpus: int | None = None) -> l
     return out
 
 
-@lru_cache(maxsize=4096)
-def _placement(dp: int, pp: int, tp: int, gpus_per_node: int) -> tuple:
-    node = np.arange(dp * pp * tp).reshape(pp, dp, tp) // gpus_per_node
-    return tuple(
-        (name, "intra" if (node.max(axis) == node.min(axis)).all() else "inter")
-        for name, axis in (("tp", 2), ("dp", 1), ("pp", 0))
+@lru_cache(maxsize=8192)
+def _placement(dp: int, pp: int, tp: int, gpus_per_node: int, cp: int = 1, ep: int = 1,
+               shard: int = 0) -> tuple:  # fmt: skip
+    shard = shard or dp
+    node = np.arange(dp * cp * pp * tp).reshape(pp, dp // shard, shard, cp, tp) // gpus_per_node
+
+    def where(groups):  # groups: one row per group
+        return "intra" if (groups.max(axis=1) == groups.min(axis=1)).all() else "inter"
+
+    def rows(axes):
+        rest = [a for a in range(5) if a not in axes]
+        moved = np.transpose(node, rest + list(axes))
+        return moved.reshape(-1, int(np.prod([node.shape[a] for a in axes])))
+
+    experts = node.reshape(pp, dp * cp // ep, ep, tp)  # ep consecutive (dp, cp) ranks
+    return (
+        ("tp", where(rows([4]))),
+        ("cp", where(rows([3]))),
+        ("ep", where(np.transpose(experts, (0, 1, 3, 2)).reshape(-1, ep))),
+        ("dp", where(rows([2, 3]))),  # the shard group: dp (or HSDP's shard) × cp
+        ("replicate", where(rows([1]))),
+        ("pp", where(rows([0]))),
     )
 
 
 def placement(choice: Choice, gpus_per_node: int) -> dict:
-    """Which link each dimension's groups use: ``{"tp": "intra", "dp": "intra", "pp": "inter"}``."""
-    return dict(_placement(choice.dp, choice.pp, choice.tp, gpus_per_node))
+    """Which link each dimension's groups use: ``{"tp": "intra", "cp": ..., "ep": ..., "dp": ...,
+    "replicate": ..., "pp": "inter"}`` (``dp``: the group the states are sharded over, ``dp × cp``
+    or HSDP's shard groups × ``cp``; ``replicate``: HSDP's replicas)."""
+    c = choice
+    return dict(_placement(c.dp, c.pp, c.tp, gpus_per_node, c.cp, c.ep, c.shard))
 
 
 def predict(
@@ -101,9 +149,10 @@ def predict(
     cluster: Cluster,
     choice: Choice,
     *,
-    param_bytes: float = 2,
-    grad_bytes: float = 2,
-    k: float = 12,
+    states: str | None = None,
+    param_bytes: float | None = None,
+    grad_bytes: float | None = None,
+    k: float | None = None,
     act_bytes: float = 2,
     mask_bytes: float = 1,
     sequence_parallel: bool | None = None,
@@ -112,26 +161,36 @@ def predict(
     overlap: bool = True,
     overlap_cost: float = 0.2,
     tp_overlap: bool = False,
+    cp_overlap: bool = False,
+    ep_overlap: bool = False,
     pp_scatter_gather: bool = True,
     memory_headroom: float = 0.9,
     dp_bucket_bytes: float = 25 * 2**20,
+    prefetch: int = 1,
     n_gpus: int | None = None,
 ) -> Prediction:
     """Memory per GPU and seconds per step of ``choice``.
 
-    ``param_bytes``/``grad_bytes``/``k``: bytes per parameter of the parameters, gradients and
-    optimizer state (2/2/12: mixed-precision Adam, 16Ψ; ``grad_bytes=4``: Megatron's fp32
-    gradients, 18Ψ). ``sequence_parallel``: ``None`` = on whenever ``tp > 1``. ``recompute``:
-    ``"none"``, ``"selective"`` or ``"full"`` (``True``/``False`` for full/none). ``attention``:
-    ``"flash"`` (scores never stored) or ``"materialized"``. ``overlap``: communication hides
-    behind compute where it can (``False``: every term added, an upper bound); ``overlap_cost``:
-    the fraction of every hidden second added to compute (communication kernels take SMs and
-    memory bandwidth from the computation they overlap; notebook 04 measured that overlap is not
-    free). ``tp_overlap``: TP's collectives hidden behind the matrix products that feed them
-    (Megatron-Core's ``--tp-comm-overlap``, torchtitan's async TP); plain TP, as notebook 06 builds
-    it, waits for each. ``pp_scatter_gather``: the ``t`` ranks of a stage each send ``1/t`` of the
-    activation and all-gather it on arrival (Megatron-LM's optimisation; implied by sequence
-    parallelism); ``False``: each sends it whole, as the course's composition does.
+    ``states``: how the framework keeps parameters, gradients and optimizer state
+    (:data:`~.memory.STATES`): ``"megatron"`` (bf16 parameters, fp32 gradients, fp32 master and
+    Adam: 18 bytes per parameter, gradients reduced in fp32), ``"fsdp"`` (FSDP2 as torchtitan runs
+    it: 16 bytes, all sharded, gathered in bf16, reduced in fp32) or ``"zero"`` (the ZeRO paper's
+    16: 2 + 2 + 12). Default: ``"fsdp"`` for ``zero=3``, ``"megatron"`` otherwise.
+    ``param_bytes``/``grad_bytes``/``k`` override its numbers.
+    ``sequence_parallel``: ``None`` = on whenever ``tp > 1``. ``recompute``: ``"none"``,
+    ``"selective"`` or ``"full"`` (``True``/``False`` for full/none). ``attention``: ``"flash"``
+    (scores never stored) or ``"materialized"`` (before FlashAttention, 2022). ``overlap``:
+    communication hides behind compute where it can (``False``: every term added, an upper bound);
+    ``overlap_cost``: the fraction of every hidden second added to compute (communication kernels
+    take SMs and memory bandwidth from the computation they overlap; notebook 04 measured that
+    overlap is not free). ``tp_overlap``: TP's collectives hidden behind the matrix products that
+    feed them (Megatron-Core's ``--tp-comm-overlap``, torchtitan's async TP). ``cp_overlap``: the
+    context-parallel K/V transfers hidden behind attention (a ring). ``ep_overlap``: the expert
+    all-to-alls hidden behind another micro-batch's compute (DeepSeek's DualPipe).
+    ``pp_scatter_gather``: the ``t`` ranks of a stage each send ``1/t`` of the activation
+    (Megatron-LM's optimisation; implied by sequence parallelism). ``prefetch``: FSDP's layers
+    gathered ahead of the one computing (1, FSDP2's default; more hides more latency and holds more
+    memory). ``dp_bucket_bytes``: DDP's and ZeRO-1/2's gradient buckets, each a message.
 
     An invalid choice still gets numbers (with a fractional ``b`` if need be), ``fits=False`` and
     the reasons; ``n_gpus`` adds the check that the layout uses exactly that many GPUs."""
@@ -141,11 +200,14 @@ def predict(
     reasons = problems(model, c, n_gpus)
     b = model.global_batch / (c.dp * c.micro_batches)
     b = int(b) if b == int(b) else b
-    states = model_states(model, c, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k)
+    per_param = state_bytes(c, states, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k)
+    if prefetch < 1:
+        raise ValueError(f"prefetch must be at least 1 layer, not {prefetch!r}")
+    st = model_states(model, c, states=per_param, prefetch=prefetch)
     acts = activations(model, c, b, sequence_parallel=sp, act_bytes=act_bytes,
                        mask_bytes=mask_bytes, attention=attention, recompute=mode)  # fmt: skip
     act = max(acts["first"], acts["last"])
-    state = states["by_stage"][c.zero]
+    state = st["by_stage"][c.zero]
     total = state + act
     limit = memory_headroom * cluster.memory_bytes
     if total > limit:
@@ -155,36 +217,53 @@ def predict(
             f"{cluster.memory_bytes / GB:.0f} GB is {limit / GB:.1f} GB"
         )
     links = placement(c, cluster.gpus_per_node)
-    time, hidden = step_time(
-        model, cluster, c, b, links, states["psi"], recompute=mode, sequence_parallel=sp,
-        act_bytes=act_bytes, param_bytes=param_bytes, grad_bytes=grad_bytes, overlap=overlap,
-        tp_overlap=tp_overlap, dp_bucket_bytes=dp_bucket_bytes,
-        layer_bytes=layer_activation_bytes(model, b, c.tp, sp, act_bytes, mask_bytes, attention),
+    layer_bytes = layer_activation_bytes(model, b, c.tp, sp, act_bytes, mask_bytes, attention,
+                                         "none", c.cp, model.moe)  # fmt: skip
+    time, hidden, extra = step_time(
+        model, cluster, c, b, links, st, per_param, recompute=mode, sequence_parallel=sp,
+        act_bytes=act_bytes, overlap=overlap, tp_overlap=tp_overlap, cp_overlap=cp_overlap,
+        ep_overlap=ep_overlap, dp_bucket_bytes=dp_bucket_bytes, layer_bytes=layer_bytes,
         overlap_cost=overlap_cost if overlap else 0.0, pp_scatter_gather=pp_scatter_gather,
+        prefetch=prefetch,
     )  # fmt: skip
-    elementwise = hidden.pop("elementwise")
     per_stage = layers_per_stage(model, c)
     calls = (6 if mode == "full" else 4) * per_stage * c.micro_batches
-    dp_ops = _dp_ops(states["psi"], c, param_bytes, grad_bytes)
+    m = c.micro_batches
+    dp_bytes = sum(
+        ring_bytes(op, x, c.shard_degree if g == "dp" else c.replicas) * (m if per != "step" else 1)
+        for _, g, op, x, _, per in extra["dp_rows"]
+    )
+    tp_bytes = megatron_bytes_per_layer(b / c.cp, model.seq_len, model.hidden, c.tp,
+                                        act_bytes) * calls / 4  # fmt: skip
+    inter = 0.0  # bytes per GPU per step on the inter-node network (the slow-network tie rule)
+    if links["dp"] == "inter":
+        inter += dp_bytes
+    if links["tp"] == "inter":
+        inter += tp_bytes
+    if links["pp"] == "inter" and c.pp > 1:
+        inter += 2 * m * b * model.seq_len / c.cp * model.hidden * act_bytes / c.tp
     detail = {
         "b": b,
-        "params_per_gpu": states["psi"],
+        "params_per_gpu": st["psi"],
+        "expert_params_per_gpu": st["expert"],
         "layers_per_stage": per_stage,
         "recompute": mode,
         "attention": attention,
         "sequence_parallel": sp,
-        "states_by_stage": states["by_stage"],
+        "states": per_param,
+        "states_by_stage": st["by_stage"],
         "activations_first": acts["first"],
         "activations_last": acts["last"],
         "logits": acts["logits"],
         "hidden": hidden,
-        "elementwise": elementwise,
+        "elementwise": extra["elementwise"],
         "overlap": overlap,
-        "efficiency": cluster.matmul_efficiency(b * model.seq_len),
-        "tp_bytes": megatron_bytes_per_layer(b, model.seq_len, model.hidden, c.tp, act_bytes)
-        * calls
-        / 4,
-        "dp_bytes": sum(n * ring_bytes(op, x, c.dp) for ph in dp_ops.values() for op, n, x in ph),
+        "overlaps": {"tp": tp_overlap, "cp": cp_overlap, "ep": ep_overlap},
+        "efficiency": extra["efficiency"],
+        "tp_bytes": tp_bytes,
+        "dp_bytes": dp_bytes,
+        "dp_messages": extra["dp_messages"],
+        "inter_bytes": inter,
     }
     memory = {"model_states": state, "activations": act, "total": total, "limit": limit}
     return Prediction(c, memory, time, links, not reasons, reasons, detail)
@@ -201,27 +280,50 @@ def valid_choices(
     zero_stages=(0, 1, 2, 3),
     micro_batches=None,
     interleave=(1,),
+    context=(1,),
+    experts=None,
+    fsdp=((True, 0),),
+    gpus_per_node: int | None = None,
 ) -> list[Choice]:
     """Every valid layout on exactly ``n_gpus``: ``tp`` divides heads, hidden and the MLP (and the
     vocabulary when it is not padded); ``pp·v ≤ L`` (uneven splits allowed, the fullest stage
-    charged); ``dp · m`` divides ``B``.
+    charged); ``dp · m`` divides ``B``; ``ep`` divides the experts and ``dp·cp``.
 
     ``micro_batches``: the ``m`` to try (default: every ``m`` that divides ``B/dp``).
-    ``interleave``: the ``v`` to try (interleaved 1F1B needs ``m`` a multiple of ``p``). ZeRO
-    stages above 0 are skipped when ``dp = 1``: there is nothing to shard over."""
+    ``interleave``: the ``v`` to try (interleaved 1F1B needs ``m`` a multiple of ``p``).
+    ``context``: the ``cp`` to try. ``experts``: the ``ep`` to try (default: every valid one for
+    a MoE model, 1 for a dense one). ``fsdp``: the ``(reshard, shard)`` variants of ZeRO-3 to try;
+    ``shard="node"`` is HSDP sharded over one node's data-parallel ranks (``gpus_per_node/(tp·cp)``).
+    ZeRO stages above 0 are skipped when ``dp·cp = 1``: there is nothing to shard over."""
     out = []
-    for tp in _divisors(n_gpus):
-        for pp in _divisors(n_gpus // tp):
-            dp = n_gpus // (tp * pp)
-            if model.global_batch % dp:
-                continue
-            for m in micro_batches or _divisors(model.global_batch // dp):
-                for v in interleave if pp > 1 else (1,):
-                    for z in zero_stages if dp > 1 else (0,):
-                        choice = Choice(dp, pp, tp, z, m, v)
-                        if not problems(model, choice, n_gpus):
-                            out.append(choice)
-    return out
+    for cp in context:
+        if n_gpus % cp:
+            continue
+        for tp in _divisors(n_gpus // cp):
+            for pp in _divisors(n_gpus // (cp * tp)):
+                dp = n_gpus // (cp * tp * pp)
+                if model.global_batch % dp:
+                    continue
+                eps = experts or (
+                    [e for e in _divisors(dp * cp) if model.experts % e == 0] if model.moe else (1,)
+                )
+                for m in micro_batches or _divisors(model.global_batch // dp):
+                    for v in interleave if pp > 1 else (1,):
+                        for ep in eps:
+                            for z in zero_stages if dp * cp > 1 else (0,):
+                                for reshard, shard in fsdp if z == 3 else ((True, 0),):
+                                    if shard == "node":  # HSDP: shard within one node
+                                        shard = (gpus_per_node or 0) // (tp * cp)
+                                        if shard < 2:
+                                            continue
+                                    if shard and (shard >= dp or dp % shard):
+                                        continue
+                                    if z == 3 and pp > 1:  # a pipeline's stage stays gathered
+                                        reshard = False
+                                    choice = Choice(dp, pp, tp, z, m, v, cp, ep, reshard, shard)
+                                    if not problems(model, choice, n_gpus):
+                                        out.append(choice)
+    return list(dict.fromkeys(out))
 
 
 def _rank(pred: Prediction) -> tuple:
@@ -240,30 +342,89 @@ def best_of(preds) -> Prediction:
     return min(preds, key=_rank)
 
 
-def _simplest_first(ranked: list[Prediction], tolerance: float) -> list[Prediction]:
+def tie_rule(cluster: Cluster) -> tuple:
+    """``(key, words)``: how equals are ordered on this cluster, and the rule in words.
+
+    A practitioner's rule. On a **fast** inter-node network (at least :data:`SLOW_NETWORK` per
+    GPU), Narayanan et al.'s (2021, §3.3, takeaway 1): tensor parallelism up to the node before a
+    pipeline, so the fewest pipeline stages (no bubble to tune), then the least TP, then the
+    least CP, then no interleaving, then the lower ZeRO stage. On a **slow** one, the least model
+    parallelism inside each layer first: the least TP, then the least CP, then the fewest bytes per
+    GPU across the network (rounded to 1 GB), which favours more pipeline stages (they send only
+    activations), then the fewest stages (BLOOM's TP 4 × PP 12 on Omni-Path)."""
+    if cluster.inter.beta >= SLOW_NETWORK:
+
+        def key(p):
+            c = p.choice
+            return (c.pp, c.tp, c.cp, c.interleave, c.zero, p.time["total"])
+
+        words = (f"the network between nodes is fast ({cluster.inter.beta / 1e9:.3g} GB/s per "
+                 "GPU): among equals, TP up to the node before a pipeline, so the fewest "
+                 "pipeline stages, then the least TP, then the least CP, then no interleaving, "
+                 "then the lower ZeRO stage")  # fmt: skip
+    else:
+
+        def key(p):
+            c = p.choice
+            return (c.tp, c.cp, round(p.detail["inter_bytes"] / 1e9), c.pp, c.zero,
+                    p.time["total"])  # fmt: skip
+
+        words = (f"the network between nodes is slow ({cluster.inter.beta / 1e9:.3g} GB/s per "
+                 "GPU): among equals, the least TP, then the least CP, then the fewest bytes per "
+                 "GPU across the network (to 1 GB), then the fewest pipeline stages")  # fmt: skip
+    return key, words
+
+
+def _ties_first(ranked: list[Prediction], cluster: Cluster, tolerance: float) -> list[Prediction]:
     good = [p for p in ranked if p.fits and not (p.choice.tp > 1 and p.links["tp"] == "inter")]
     if not good or tolerance <= 0:
         return ranked
     fastest = good[0].time["total"]
     near = [p for p in good if p.time["total"] <= (1 + tolerance) * fastest]
-    c = min(near, key=lambda p: (p.choice.pp, p.choice.interleave, p.choice.tp, p.choice.zero,
-                                 p.time["total"]))  # fmt: skip
-    return [c] + [p for p in ranked if p is not c]
+    key, _ = tie_rule(cluster)
+    near.sort(key=key)
+    for p in near:
+        p.tied = len(near) > 1
+    chosen = {id(p) for p in near}
+    return near + [p for p in ranked if id(p) not in chosen]
 
 
 def plan(
-    model: Transformer, cluster: Cluster, n_gpus: int, *, tolerance: float = 0.03, **kw
+    model: Transformer,
+    cluster: Cluster,
+    n_gpus: int,
+    *,
+    tolerance: float = TIE_TOLERANCE,
+    **kw,
 ) -> list[Prediction]:
     """Every valid layout on ``n_gpus``, predicted and ranked (see the module's doc).
 
-    ``zero_stages``, ``micro_batches`` and ``interleave`` (default ``(1, 2, 4)`` chunks per stage)
-    go to :func:`valid_choices`, the rest to :func:`predict`. Without ``recompute`` the planner
-    tries none, selective and full for every layout and keeps the fastest that fits
+    ``zero_stages``, ``micro_batches``, ``interleave`` (default ``(1, 2, 4)`` chunks per stage),
+    ``context`` (default: ``cp`` of 1 for sequences under 32K tokens, up to 16 above), ``experts``
+    and ``fsdp`` (default: FSDP, FSDP without resharding after forward, and HSDP sharded within a
+    node) go to :func:`valid_choices`, the rest to :func:`predict`. Without ``recompute`` the
+    planner tries none, selective and full for every layout and keeps the fastest that fits
     (recomputation costs time, so it is chosen only where memory needs it). ``tolerance``: how
-    close to the fastest a simpler layout may be and still come first (0: the fastest, always)."""
+    close to the fastest a layout is an equal, ordered by :func:`tie_rule` (0: by time only)."""
     kw.setdefault("interleave", (1, 2, 4))
+    if "context" not in kw:
+        kw["context"] = (
+            (1,) if model.seq_len < 32768 else tuple(c for c in (1, 2, 4, 8, 16) if n_gpus % c == 0)
+        )
+    kw.setdefault("fsdp", ((True, 0), (False, 0), (True, "node")))
+    kw.setdefault("gpus_per_node", cluster.gpus_per_node)
     choose = {
-        key: kw.pop(key) for key in ("zero_stages", "micro_batches", "interleave") if key in kw
+        key: kw.pop(key)
+        for key in (
+            "zero_stages",
+            "micro_batches",
+            "interleave",
+            "context",
+            "experts",
+            "fsdp",
+            "gpus_per_node",
+        )
+        if key in kw
     }
     choices = valid_choices(model, n_gpus, **choose)
     if not choices:
@@ -276,9 +437,14 @@ def plan(
     modes = [kw.pop("recompute")] if "recompute" in kw else list(RECOMPUTE)
     out = []
     for c in choices:
-        preds = [predict(model, cluster, c, n_gpus=n_gpus, recompute=r, **kw) for r in modes]
+        preds = []
+        for r in modes:  # recomputation only costs time: stop at the first that fits
+            preds.append(predict(model, cluster, c, n_gpus=n_gpus, recompute=r, **kw))
+            if preds[-1].fits:
+                break
         out.append(best_of(preds))
-    return _simplest_first(sorted(out, key=_rank), tolerance)
+    return _ties_first(sorted(out, key=_rank), cluster, tolerance)
 
 
-__all__ = ["Prediction", "best_of", "placement", "plan", "predict", "problems", "valid_choices"]
+__all__ = ["SLOW_NETWORK", "TIE_TOLERANCE", "Prediction", "best_of", "placement", "plan",
+           "predict", "problems", "tie_rule", "valid_choices"]  # fmt: skip

@@ -1,51 +1,93 @@
-"""Time per step: compute at a compute-only efficiency, the bubble, and each dimension's
-communication, split into what hides behind compute and what stays exposed.
+"""Time per step: compute at an efficiency that depends on the matrices' shape, the bubble, and
+each dimension's communication, split into what hides behind compute and what stays exposed.
 
-- **compute**: :func:`~.model.flops_per_step` on all GPUs at ``peak · efficiency(b·s)``, times
-  ``⌈L/(p·v)⌉·p·v/L`` when the stages are uneven (the fullest sets the pace); plus the element-wise
-  operations between the matrix products, bound by memory bandwidth: each byte a layer keeps for
-  backward crosses the GPU's memory about five times (written and read again in forward, read in
-  backward, its gradient written and read): ``5 ·`` the layer's activation bytes per micro-batch
-  (a third more with full recomputation, whose forward runs twice).
+- **compute**: the layers' FLOPs (:func:`~.model.flops_per_step`) at ``peak · efficiency(b·s/cp,
+  h/t)`` on the fullest stage (``⌈L/(p·v)⌉·v`` layers), plus the head's FLOPs on the last stage;
+  plus the element-wise operations between the matrix products, bound by memory bandwidth: each
+  byte a layer keeps for backward crosses the GPU's memory about five times (written and read
+  again in forward, read in backward, its gradient written and read): ``5 ·`` the layer's
+  activation bytes per micro-batch (a third more with full recomputation).
 - **bubble**: 1F1B idles ``(p-1)/(m+p-1)`` of the step, i.e. ``compute · (p-1)/m``; interleaving
   ``v`` chunks divides it by ``v`` (Narayanan et al. 2021, §2.2).
-- **tp**: Megatron's four all-reduces of ``b·s·h`` values per layer and micro-batch (six with full
-  recomputation), sequence parallelism's all-gather/reduce-scatter pairs cost the same. Exposed:
-  the next matrix product waits for each one (overlap only with ``tp_overlap``, Megatron-Core's
-  ``--tp-comm-overlap``, which hides them behind the chunked matrix products that feed them).
+- **tp**: Megatron's four all-reduces of ``b·s·h/cp`` values per layer and micro-batch (six with
+  full recomputation); sequence parallelism's all-gather/reduce-scatter pairs cost the same.
+  Exposed unless ``tp_overlap`` (Megatron-Core's ``--tp-comm-overlap``, torchtitan's async TP).
+- **cp**: per layer and micro-batch, K and V all-gathered over the ``cp`` ranks in forward and
+  their gradients reduce-scattered in backward (Llama 3's all-gather context parallelism;
+  notebook 09's ring moves the same bytes in ``cp-1`` steps). Exposed unless ``cp_overlap``
+  (the ring's transfers behind the attention of the chunk in hand).
+- **ep**: per MoE layer and micro-batch four all-to-alls (dispatch and combine, forward and
+  backward) of the ``top_k`` copies of each token's ``h`` values, the part leaving the node on
+  the network (notebook 10's count). Exposed unless ``ep_overlap`` (DeepSeek's DualPipe overlaps
+  them with another micro-batch's compute).
 - **pp**: per micro-batch an activation forward and its gradient back across each boundary,
-  ``b·s·h/t`` values per GPU (the ``t`` ranks of a stage each send ``1/t``: Megatron's
-  scatter/gather, or sequence parallelism); ``2·(v·m + p - 2)`` messages on the critical path.
-- **dp**: the gradients of one shard over ``d`` (plain DP: all-reduce; ZeRO-1/2: reduce-scatter,
-  then the parameters all-gathered; ZeRO-3: per micro-batch the parameters all-gathered for forward
-  and backward and the gradients reduce-scattered, or once per step inside a pipeline, whose
-  stages keep their parameters gathered, as torch's pipelining with FSDP does). With ``overlap``
-  (the default) buckets go out while backward computes the earlier layers, so the reduction hides
-  behind the last micro-batch's backward, except the last bucket, which can only start when
-  backward ends (the Ultra-Scale Playbook's condition: exposed = max(0, comm - window) + last
-  bucket); ZeRO's parameter all-gather hides behind the next forward the same way, ZeRO-3's are
-  prefetched one layer ahead.
+  ``b·s·h/(t·cp)`` values per GPU; ``2·(v·m + p - 2)`` messages on the critical path.
+- **dp**: every collective is charged its ring latency per message (``(n-1)·α``, twice for an
+  all-reduce), so many small messages over thousands of ranks cost what they cost. DDP and ZeRO-1/2
+  reduce the gradients in ``dp_bucket_bytes`` buckets (ZeRO-1/2: reduce-scatter, then the
+  parameters all-gathered); ZeRO-2 reduces after every micro-batch. ZeRO-3 is FSDP: one all-gather
+  per layer before its forward, one before its backward (none with ``reshard=False``) and one
+  reduce-scatter after it, every micro-batch, the gathers issued ``prefetch`` layers ahead (1:
+  FSDP2's default) and hidden behind that many layers' compute; HSDP adds an all-reduce of each layer's shard across the replicas. Inside a
+  pipeline, torch's pipelining gathers each stage once per step and reduces once after the last
+  micro-batch. With ``overlap`` (the default) reductions hide behind backward except the last
+  bucket (the Ultra-Scale Playbook's condition: exposed = max(0, comm - window) + last bucket),
+  gathers behind forward.
 """
 
 from __future__ import annotations
 
+import math
+
+from ..comm_model import AlphaBeta
 from ..pipeline.simulate import theory_bubble
 from .model import Choice, Cluster, Transformer, flops_per_step, layers_per_stage
 
+_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
-def _dp_ops(psi: float, choice: Choice, param_bytes: float, grad_bytes: float) -> dict:
-    """Per phase, ``[(collective, calls per step, bytes)]`` of the data-parallel traffic."""
-    m, g, p = choice.micro_batches, psi * grad_bytes, psi * param_bytes
-    if choice.zero == 0:
-        return {"backward": [("all_reduce", 1, g)], "forward": []}
-    if choice.zero == 1:
-        return {"backward": [("reduce_scatter", 1, g)], "forward": [("all_gather", 1, p)]}
-    if choice.zero == 2:
-        return {"backward": [("reduce_scatter", m, g)], "forward": [("all_gather", 1, p)]}
-    if choice.pp > 1:  # gathered once, kept through the micro-batches, reduced once
-        return {"backward": [("reduce_scatter", 1, g)], "forward": [("all_gather", 1, p)]}
-    return {"backward": [("reduce_scatter", m, g), ("all_gather", m, p)],
-            "forward": [("all_gather", m, p)]}  # fmt: skip
+
+def collective(link: AlphaBeta, op: str, nbytes: float, n: int, messages: float = 1) -> float:
+    """Seconds for ``messages`` ring collectives over ``n`` ranks moving ``nbytes`` in all: each
+    message pays the ring's latency, ``k(n-1)·α``, and the bytes ``k(n-1)/n·nbytes/β`` once."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    k = _STEPS[op]
+    return messages * k * (n - 1) * link.alpha + k * (n - 1) / n * nbytes / link.beta
+
+
+def all_to_all(link: AlphaBeta, nbytes: float, n: int) -> float:
+    """Seconds for an all-to-all in which each rank holds ``nbytes`` and keeps ``1/n`` of them."""
+    return 0.0 if n <= 1 else (n - 1) * link.alpha + (n - 1) / n * nbytes / link.beta
+
+
+def dp_ops(model: Transformer, choice: Choice, parts: dict, states: dict, bucket: float,
+           layers: int) -> list[tuple]:  # fmt: skip
+    """The data-parallel traffic of one step: ``(phase, group, op, bytes, messages, per)`` rows,
+    ``phase`` "forward" or "backward", ``group`` "dp" or "replicate", ``per`` "step" or
+    "micro-batch" (the row happens that often)."""
+    c = choice
+    g, r = states["gather"], states["reduce"]
+    psi = parts["dense"] + parts["expert"]
+    grads, params = psi * r, psi * g
+
+    def buckets(nbytes):
+        return max(1, math.ceil(nbytes / bucket))
+
+    if c.zero == 0:
+        return [("backward", "dp", "all_reduce", grads, buckets(grads), "step")]
+    if c.zero in (1, 2):
+        per = "micro-batch" if c.zero == 2 else "step"
+        return [("backward", "dp", "reduce_scatter", grads, buckets(grads), per),
+                ("forward", "dp", "all_gather", params, buckets(params), "step")]  # fmt: skip
+    units = layers
+    per = "step" if c.pp > 1 else "micro-batch"
+    rows = [("forward", "dp", "all_gather", params, units, per)]
+    if c.pp == 1 and c.reshard:
+        rows.append(("backward", "dp", "all_gather", params, units, per))
+    rows.append(("backward", "dp", "reduce_scatter", grads, units, per))
+    if c.replicas > 1:  # HSDP: each layer's gradient shard all-reduced across the replicas
+        rows.append(("backward", "replicate", "all_reduce", grads / c.shard_degree, units, per))
+    return rows
 
 
 def step_time(
@@ -54,29 +96,36 @@ def step_time(
     choice: Choice,
     b: float,
     links: dict,
-    psi: float,
+    parts: dict,
+    states: dict,
     *,
     recompute: str,
     sequence_parallel: bool,
     act_bytes: float,
-    param_bytes: float,
-    grad_bytes: float,
     overlap: bool,
     tp_overlap: bool,
+    cp_overlap: bool,
+    ep_overlap: bool,
     dp_bucket_bytes: float,
     layer_bytes: float = 0.0,
     overlap_cost: float = 0.0,
     pp_scatter_gather: bool = True,
-) -> tuple[dict, dict]:
-    """``(time, hidden)``: seconds per step of each exposed term (and their ``total``), and the
-    seconds of communication each term hid behind compute."""
+    prefetch: int = 1,
+) -> tuple[dict, dict, dict]:
+    """``(time, hidden, extra)``: seconds per step of each exposed term (and their ``total``),
+    the seconds of communication each term hid behind compute, and the numbers behind them."""
     L, s, h = model.layers, model.seq_len, model.hidden
-    t, p, m, v, d = choice.tp, choice.pp, choice.micro_batches, choice.interleave, choice.dp
-    link = {k: cluster.intra if links[k] == "intra" else cluster.inter for k in links}
-    per_stage = layers_per_stage(model, choice)
-    eff = cluster.matmul_efficiency(b * s)
-    compute = flops_per_step(model, recompute) / (choice.n_gpus * cluster.peak_flops * eff)
-    compute *= per_stage * p / L  # the fullest stage sets the pace
+    c = choice
+    t, p, m, v, cp, ep = c.tp, c.pp, c.micro_batches, c.interleave, c.cp, c.ep
+    link = {k: cluster.intra if where == "intra" else cluster.inter for k, where in links.items()}
+    per_stage = layers_per_stage(model, c)
+    tokens = b * s / cp  # one micro-batch's tokens on one GPU
+    eff = cluster.matmul_efficiency(tokens, h / t)
+    head = 6 * model.global_batch * s * h * model.vocab
+    total_flops = flops_per_step(model, recompute)
+    rate = c.n_gpus * cluster.peak_flops * eff
+    layer_time = (total_flops - head) / rate * p / L  # one layer's share of the step, per stage
+    compute = per_stage * layer_time + head / rate * p  # the last stage also runs the head
     elementwise = 0.0
     if cluster.memory_bandwidth:  # memory-bound work between the matrix products
         passes = 5 * (4 / 3 if recompute == "full" else 1)
@@ -91,51 +140,89 @@ def step_time(
     fwd_window, bwd_window = per_micro / passes, per_micro * (passes - 1) / passes
 
     calls = (6 if recompute == "full" else 4) * per_stage * m
-    tp_total = calls * link["tp"].all_reduce(b * s * h * act_bytes, t)
+    tp_total = calls * link["tp"].all_reduce(tokens * h * act_bytes, t)
     tp_exposed = tp_total
     if tp_overlap and t > 1:
         tp_exposed = max(0.0, tp_total - compute) + tp_total / max(calls, 1)
 
+    kv_bytes = b * s * 2 * model.kv * model.head_dim * act_bytes / t  # K and V gathered, per layer
+    cp_calls = (3 if recompute == "full" else 2) * per_stage * m
+    cp_total = cp_calls * link["cp"].all_gather(kv_bytes, cp) if cp > 1 else 0.0
+    attn_share = (
+        4 * s * model.score_width / (2 * model.active_matmul_params() + 4 * s * model.score_width)
+    )
+    cp_exposed = max(0.0, cp_total - attn_share * compute) if cp_overlap else cp_total
+
+    ep_total = 0.0
+    moe_layers = min(per_stage, model.moe_layers)
+    if ep > 1 and moe_layers:
+        sp = t if sequence_parallel else 1
+        routed = tokens / sp * model.top_k * h * act_bytes  # what one GPU dispatches per layer
+        on_node = max(1, cluster.gpus_per_node // (t * cp)) if links["ep"] == "inter" else ep
+        off = 1 - min(on_node, ep) / ep  # the part that leaves the node
+        one = all_to_all(cluster.intra, routed * (1 - off), min(on_node, ep))
+        if off:
+            one = max(one, (ep - 1) * cluster.inter.alpha + routed * off / cluster.inter.beta)
+        ep_total = (6 if recompute == "full" else 4) * moe_layers * m * one
+    ep_exposed = max(0.0, ep_total - compute) if ep_overlap else ep_total
+
     split = t if (sequence_parallel or pp_scatter_gather) else 1  # scatter/gather or SP: 1/t
     pp_messages = 2 * (v * m + p - 2) if p > 1 else 0
-    pp_total = pp_messages * link["pp"].p2p(b * s * h * act_bytes / split)
+    pp_total = pp_messages * link["pp"].p2p(tokens * h * act_bytes / split)
 
-    ops = _dp_ops(psi, choice, param_bytes, grad_bytes)
-    cost = {ph: sum(n * getattr(link["dp"], op)(x, d) for op, n, x in ops[ph]) for ph in ops}
-    dp_total = cost["backward"] + cost["forward"]
-    if not overlap or d == 1:
+    rows = dp_ops(model, c, parts, states, dp_bucket_bytes, per_stage)
+    group_n = {"dp": c.shard_degree, "replicate": c.replicas}
+    phase = {"forward": 0.0, "backward": 0.0}
+    per_layer = {"forward": 0.0, "backward": 0.0}  # FSDP: one layer's collectives per micro-batch
+    last = 0.0
+    for ph, group, op, nbytes, messages, per in rows:
+        ln = link["dp"] if group == "dp" else link["replicate"]
+        n = group_n[group]
+        if c.ep > 1 and parts["expert"]:  # experts reduce over dp·cp/ep ranks, the rest over all
+            share = parts["expert"] / (parts["dense"] + parts["expert"])
+            one = collective(ln, op, nbytes * (1 - share), n, messages)
+            one += collective(ln, op, nbytes * share, max(1, n // c.ep), messages)
+        else:
+            one = collective(ln, op, nbytes, n, messages)
+        phase[ph] += one * (m if per == "micro-batch" else 1)
+        if c.zero == 3:
+            per_layer[ph] += one / messages
+            if ph == "backward":
+                last = max(last, one / messages)
+        elif ph == "backward":
+            last = collective(ln, op, min(dp_bucket_bytes, nbytes), n)
+    dp_total = phase["forward"] + phase["backward"]
+    if not overlap or c.shard_degree * c.replicas == 1:
         dp_exposed = dp_total
-    else:
-        bucket = min(dp_bucket_bytes, psi * grad_bytes)
-        last = (
-            link["dp"].all_reduce(bucket, d)
-            if choice.zero == 0
-            else link["dp"].reduce_scatter(bucket, d)
-        )
-        if (
-            choice.zero == 3 and p == 1
-        ):  # every micro-batch: gathers prefetched, reductions in backward
-            per_fwd, per_bwd = cost["forward"] / m, cost["backward"] / m
-            dp_exposed = (
-                m * (max(0.0, per_fwd - fwd_window) + max(0.0, per_bwd - bwd_window)) + last
-            )
-        elif choice.zero == 2:  # a reduce-scatter per micro-batch, each behind its backward
-            per_bwd = cost["backward"] / m
-            dp_exposed = m * max(0.0, per_bwd - bwd_window) + last
-            dp_exposed += max(0.0, cost["forward"] - fwd_window)
-        else:  # once per step: behind the last micro-batch's backward and the next forward
-            dp_exposed = max(0.0, cost["backward"] - bwd_window) + last
-            dp_exposed += max(0.0, cost["forward"] - fwd_window)
-        dp_exposed = min(dp_exposed, dp_total)
+    elif c.zero == 3:
+        units = max(per_stage, 1)
+        # a gather issued ``prefetch`` layers ahead has that many layers' compute to hide behind
+        ahead = min(prefetch, units)
+        f_l, b_l = ahead * fwd_window / units, ahead * bwd_window / units
+        reps = m if c.pp == 1 else 1  # inside a pipeline: once per step
+        fwd = units * max(0.0, per_layer["forward"] - f_l) + per_layer["forward"]
+        bwd = units * max(0.0, per_layer["backward"] - b_l) + last
+        dp_exposed = reps * (fwd + bwd)
+    elif c.zero == 2:  # a reduce-scatter per micro-batch, each behind its backward
+        dp_exposed = m * max(0.0, phase["backward"] / m - bwd_window) + last
+        dp_exposed += max(0.0, phase["forward"] - fwd_window)
+    else:  # once per step: behind the last micro-batch's backward and the next forward
+        dp_exposed = max(0.0, phase["backward"] - bwd_window) + last
+        dp_exposed += max(0.0, phase["forward"] - fwd_window)
+    dp_exposed = min(dp_exposed, dp_total)
 
     hidden_s = (tp_total - tp_exposed) + (dp_total - dp_exposed)
+    hidden_s += (cp_total - cp_exposed) + (ep_total - ep_exposed)
     compute += overlap_cost * hidden_s  # communication kernels slow the compute they hide behind
-    time = {"compute": compute, "bubble": bubble, "tp_comm": tp_exposed, "pp_comm": pp_total,
-            "dp_comm": dp_exposed}  # fmt: skip
+    time = {"compute": compute, "bubble": bubble, "tp_comm": tp_exposed, "cp_comm": cp_exposed,
+            "ep_comm": ep_exposed, "pp_comm": pp_total, "dp_comm": dp_exposed}  # fmt: skip
     time["total"] = sum(time.values())
-    hidden = {"tp_comm": tp_total - tp_exposed, "pp_comm": 0.0, "dp_comm": dp_total - dp_exposed,
-              "elementwise": elementwise}  # fmt: skip
-    return time, hidden
+    hidden = {"tp_comm": tp_total - tp_exposed, "cp_comm": cp_total - cp_exposed,
+              "ep_comm": ep_total - ep_exposed, "pp_comm": 0.0,
+              "dp_comm": dp_total - dp_exposed}  # fmt: skip
+    extra = {"elementwise": elementwise, "efficiency": eff, "dp_rows": rows,
+             "dp_messages": sum(r[4] * (m if r[5] == "micro-batch" else 1) for r in rows)}  # fmt: skip
+    return time, hidden, extra
 
 
-__all__ = ["step_time"]
+__all__ = ["all_to_all", "collective", "dp_ops", "step_time"]

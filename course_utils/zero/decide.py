@@ -60,17 +60,25 @@ def decide(model: Transformer, cluster: Cluster, n_gpus: int, **kw) -> dict:
     fitting = [r for r in rows if r["fits"]]
     advice = []
     fast = cluster.intra.beta >= FAST_LINK
-    if fitting:
-        pick = min(fitting, key=lambda r: (r["step_s"], r["stage"]))
+    pure_dp = (overall.choice.tp, overall.choice.pp, overall.choice.cp) == (1, 1, 1)
+    best_dp = min(fitting, key=lambda r: (r["step_s"], r["stage"])) if fitting else None
+    if overall.fits and pure_dp:
         advice.append(
-            f"{pick['name']}: the fastest data-parallel stage that fits ({pick['step_s']:.3g} s "
-            "per step)"
+            f"data parallelism: the planner's pick is {_layout(overall)}, "
+            f"{overall.time['total']:.3g} s per step"
+            + (
+                " (within 5% of the fastest: an equal, by the planner's tie rule)"
+                if overall.tied
+                else ""
+            )  # fmt: skip
         )
-        if overall.fits and overall.time["total"] < 0.9 * pick["step_s"]:
-            advice.append(
-                f"the planner finds a faster layout with model parallelism: {_layout(overall)}, "
-                f"{overall.time['total']:.3g} s per step"
-            )
+    elif overall.fits and best_dp:
+        advice.append(
+            f"model parallelism although {best_dp['name']} fits: the planner's pick is "
+            f"{_layout(overall)}, {overall.time['total']:.3g} s per step, against "
+            f"{best_dp['step_s']:.3g} s for {best_dp['name']}, the fastest data-parallel stage "
+            "that fits"
+        )
     elif overall.fits:
         if fast:
             why = ("no data-parallel stage fits, even ZeRO-3 with recomputation (a layer "
@@ -98,13 +106,19 @@ def decide(model: Transformer, cluster: Cluster, n_gpus: int, **kw) -> dict:
             "(ZeRO-Infinity; ZeRO-Offload keeps every parameter on each GPU, so it cannot help "
             "when the parameters alone do not fit)"
         )
+    if best_dp and overall.fits and pure_dp and best_dp["stage"] != overall.choice.zero:
+        advice.append(
+            f"the fastest data-parallel stage alone, {best_dp['name']}, takes "
+            f"{best_dp['step_s']:.3g} s per step (its best micro-batch and recomputation)"
+        )
     return {"rows": rows, "advice": advice, "overall": overall,
             "usable_bytes": rows[0]["prediction"].memory["limit"]}  # fmt: skip
 
 
 def _layout(pred) -> str:
     c = pred.choice
-    return f"dp={c.dp} pp={c.pp} tp={c.tp} ZeRO-{c.zero} m={c.micro_batches}"
+    extra = "".join(f" {k}={getattr(c, k)}" for k in ("cp", "ep") if getattr(c, k) > 1)
+    return f"dp={c.dp} pp={c.pp} tp={c.tp}{extra} {c.family} m={c.micro_batches}"
 
 
 def table(result: dict) -> str:
