@@ -186,7 +186,7 @@ def test_decide_follows_the_lectures_rules():
     assert [row["fits"] for row in mid["rows"]][:2] == [
         False,
         False,
-    ]  # 231 GB of replicated states (18 bytes per parameter)
+    ]  # 236 GB of replicated states (18 bytes per parameter)
     assert mid["overall"].choice == plan(mid_model, A100_80GB, 8)[0].choice
     # nothing fits on 8 GPUs: 175 B parameters are 350 GB in 16 bits, ZeRO-Offload cannot help
     none = decide(GPT3_175B, A100_80GB, 8)
@@ -202,10 +202,9 @@ def test_decide_follows_the_lectures_rules():
     pcie = replace(A100_80GB, intra=AlphaBeta(10e-6, 25e9), name="PCIe")
     p = decide(wide, pcie, 64)
     assert "PCIe only" in p["advice"][0] and "yet tensor parallelism" in p["advice"][0]
-    no_tp = min((q for q in plan(wide, pcie, 64) if q.fits and q.choice.tp == 1),
-                key=lambda q: q.time["total"])  # fmt: skip
-    assert p["overall"].choice.tp > 1 and p["overall"].time["total"] < no_tp.time["total"]
-    assert f"dp={no_tp.choice.dp} pp={no_tp.choice.pp} tp=1" in p["advice"][0]
+    # a pipeline keeps each 20 B-parameter layer whole on one GPU: without TP nothing fits
+    assert not [q for q in plan(wide, pcie, 64) if q.fits and q.choice.tp == 1]
+    assert "no layout without TP fits" in p["advice"][0] and p["overall"].choice.tp > 1
     # long sequences whose activations fit no layout without TP: the advice says so
     long = decide(Transformer(16, 16384, 128, 16384, 51200, 16, name="long"), pcie, 16)
     assert "no layout without TP fits" in long["advice"][0] and long["overall"].choice.tp > 1

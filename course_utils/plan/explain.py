@@ -53,8 +53,11 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
             f"TP={c.tp} stays inside a node on NVLink"
             + (" with sequence parallelism" if d["sequence_parallel"] else "")
             + f": its collectives after every attention and MLP block move {tp_bytes:.3g} GB per "
-            f"GPU per step, {_s(T['tp_comm'])}, exposed: the next matrix product waits for each."
-        )
+            "GPU per step, "
+            + (f"{_hidden(pred, 'tp_comm')} (chunked behind the products that feed them)."
+               if d["overlaps"]["tp"]
+               else f"{_s(T['tp_comm'])}, exposed: the next matrix product waits for each.")
+        )  # fmt: skip
     else:
         why = (
             f"tp={c.tp} > {g} GPUs per node" if c.tp > g else f"{g} is not a multiple of tp={c.tp}"
@@ -75,22 +78,38 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
             f"{d['layers_per_stage']} layer(s). The bubble (p-1)/(v·m+p-1) = {frac:.1%} of the "
             f"step costs {_s(T['bubble'])}."
         )
-    if c.dp == 1:
+
+    def where(key):
+        return "inside a node" if pred.links[key] == "intra" else "across nodes"
+
+    if c.shard_degree * c.replicas == 1:
         lines.append("DP=1: one replica; no gradient reduction.")
     else:
-        link = "inside a node" if pred.links["dp"] == "intra" else "across nodes"
         what = "gradients, parameters" if c.zero else "gradients"
+        group = f"DP={c.dp}" + (f" × CP={c.cp}" if c.cp > 1 else "")
+        if c.replicas > 1:
+            group += (f", sharded over groups of {c.shard_degree} {where('dp')} and all-reduced "
+                      f"over {c.replicas} replicas {where('replicate')}")  # fmt: skip
+        else:
+            group += f" over the rest, {where('dp')}"
+        if c.ep > 1:
+            group += (
+                f" (the experts' gradients over the {c.shard_degree // c.ep} ranks holding each)"
+            )
         lines.append(
-            f"DP={c.dp} over the rest, {link}: each GPU sends {d['dp_bytes'] / GB:.3g} GB per step "
-            f"({what}): {_hidden(pred, 'dp_comm')}."
+            f"{group}: each GPU sends {d['dp_bytes'] / GB:.3g} GB per step ({what}): "
+            f"{_hidden(pred, 'dp_comm')}."
         )
     states = d["states_by_stage"]
     acts, limit = pred.memory["activations"], pred.memory["limit"]
     lowest = next((z for z in STAGES if states[z] + acts <= limit), None)
     if lowest is None:
+        least = min(STAGES, key=lambda z: states[z])
+        more = ["more GPUs for pp, tp" + (" or cp" if c.cp > 1 or model.seq_len >= 32768 else ""),
+                "recomputation"] + (["a smaller micro-batch"] if d["b"] > 1 else [])  # fmt: skip
         lines.append(
-            f"ZeRO-{c.zero}: even ZeRO-3's {states[3] / GB:.1f} GB of states leave no room for "
-            f"the activations: more GPUs for pp or tp, recomputation, or a smaller micro-batch."
+            f"{c.family}: even the smallest states, ZeRO-{least}'s {states[least] / GB:.1f} GB, "
+            f"leave no room for the activations: {', '.join(more[:-1])} or {more[-1]}."
         )
     elif c.zero == 0:
         lines.append(f"ZeRO off: the replicated model states ({states[0] / GB:.1f} GB) fit.")
@@ -101,6 +120,14 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
             f"fit beside {acts / GB:.1f} GB of activations in {limit / GB:.1f} GB ({lower}); with "
             f"it they take {states[c.zero] / GB:.1f} GB."
         )
+    elif states[c.zero] > states[lowest]:
+        lines.append(
+            f"{c.family}, although ZeRO-{lowest} would fit with fewer bytes "
+            f"({states[lowest] / GB:.1f} against {states[c.zero] / GB:.1f} GB of states"
+            + (": inside a pipeline FSDP keeps the stage gathered" if c.pp > 1 and c.zero == 3
+               else "")
+            + "): as fast within the model's error, not chosen for memory."
+        )  # fmt: skip
     else:
         lines.append(
             f"ZeRO-{c.zero}, although ZeRO-{lowest} would already fit ({states[lowest] / GB:.1f} "
@@ -121,7 +148,7 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
             if hidden
             else "; nothing hidden"
         )
-        + f". Compute runs at {d['efficiency']:.0%} of peak at this micro-batch."
+        + f". Compute runs at {d['efficiency']:.0%} of peak at this micro-batch and TP width."
     )
     if c.cp > 1:
         lines.append(f"CP={c.cp} ({pred.links['cp']}): each sequence split {c.cp} ways, K and V "

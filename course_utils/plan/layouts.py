@@ -11,13 +11,13 @@ those whose TP crosses nodes; then the fastest. Layouts within ``tolerance`` of 
 the model's own uncertainty for a comparison: see :data:`TIE_TOLERANCE`) are *equals*, marked
 ``tied`` and ordered by the practitioner's rule of :func:`tie_rule`: on a fast network, the
 fewest pipeline stages (TP up to the node first, as Narayanan et al. advise), then the least TP
-and CP, no interleaving and the lower ZeRO stage; on a slow one, the least TP and CP, then the
+and CP, the lower ZeRO stage and no interleaving; on a slow one, the least TP and CP, then the
 fewest bytes per GPU across it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -66,7 +66,9 @@ class Prediction:
     detail: dict = field(default_factory=dict)
     """``b``, ``params_per_gpu``, ``layers_per_stage``, ``recompute``, ``attention``,
     ``sequence_parallel``, ``states_by_stage``, ``hidden`` (seconds each communication term hid),
-    ``tp_bytes``, ``dp_bytes``, ``states`` (bytes per parameter), ``inter_bytes``, ..."""
+    ``tp_bytes``, ``dp_bytes``, ``states`` (bytes per parameter), ``inter_bytes``, ...;
+    ``states_by_stage``: each ZeRO stage's model states for this layout, each with its framework's
+    bytes per parameter unless ``states`` was given."""
     tied: bool = False
     """Within :data:`TIE_TOLERANCE` of the fastest layout that fits: an equal, ordered by the tie
     rule, not by time."""
@@ -251,7 +253,23 @@ def predict(
         "attention": attention,
         "sequence_parallel": sp,
         "states": per_param,
-        "states_by_stage": st["by_stage"],
+        "states_by_stage": [
+            st["by_stage"][z]
+            if z == c.zero
+            else model_states(
+                model,
+                replace(c, zero=z, reshard=True, shard=0),
+                states=state_bytes(
+                    replace(c, zero=z, reshard=True, shard=0),
+                    states,
+                    param_bytes=param_bytes,
+                    grad_bytes=grad_bytes,
+                    k=k,
+                ),
+                prefetch=prefetch,
+            )["by_stage"][z]
+            for z in range(4)
+        ],
         "activations_first": acts["first"],
         "activations_last": acts["last"],
         "logits": acts["logits"],
@@ -320,6 +338,10 @@ def valid_choices(
                                         continue
                                     if z == 3 and pp > 1:  # a pipeline's stage stays gathered
                                         reshard = False
+                                    if (
+                                        z == 2 and pp > 1
+                                    ):  # DeepSpeed refuses it; Megatron has no ZeRO-2
+                                        continue
                                     choice = Choice(dp, pp, tp, z, m, v, cp, ep, reshard, shard)
                                     if not problems(model, choice, n_gpus):
                                         out.append(choice)
@@ -348,7 +370,7 @@ def tie_rule(cluster: Cluster) -> tuple:
     A practitioner's rule. On a **fast** inter-node network (at least :data:`SLOW_NETWORK` per
     GPU), Narayanan et al.'s (2021, §3.3, takeaway 1): tensor parallelism up to the node before a
     pipeline, so the fewest pipeline stages (no bubble to tune), then the least TP, then the
-    least CP, then no interleaving, then the lower ZeRO stage. On a **slow** one, the least model
+    least CP, then the lower ZeRO stage, then no interleaving. On a **slow** one, the least model
     parallelism inside each layer first: the least TP, then the least CP, then the fewest bytes per
     GPU across the network (rounded to 1 GB), which favours more pipeline stages (they send only
     activations), then the fewest stages (BLOOM's TP 4 × PP 12 on Omni-Path)."""
@@ -356,12 +378,12 @@ def tie_rule(cluster: Cluster) -> tuple:
 
         def key(p):
             c = p.choice
-            return (c.pp, c.tp, c.cp, c.interleave, c.zero, p.time["total"])
+            return (c.pp, c.tp, c.cp, c.zero, c.interleave, p.time["total"])
 
         words = (f"the network between nodes is fast ({cluster.inter.beta / 1e9:.3g} GB/s per "
                  "GPU): among equals, TP up to the node before a pipeline, so the fewest "
-                 "pipeline stages, then the least TP, then the least CP, then no interleaving, "
-                 "then the lower ZeRO stage")  # fmt: skip
+                 "pipeline stages, then the least TP, then the least CP, then the lower ZeRO "
+                 "stage, then no interleaving")  # fmt: skip
     else:
 
         def key(p):

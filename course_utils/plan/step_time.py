@@ -1,8 +1,8 @@
 """Time per step: compute at an efficiency that depends on the matrices' shape, the bubble, and
 each dimension's communication, split into what hides behind compute and what stays exposed.
 
-- **compute**: the layers' FLOPs (:func:`~.model.flops_per_step`) at ``peak · efficiency(b·s/cp,
-  h/t)`` on the fullest stage (``⌈L/(p·v)⌉·v`` layers), plus the head's FLOPs on the last stage;
+- **compute**: the layers' FLOPs (:func:`~.model.flops_per_step`) at ``peak · efficiency(b·s/cp)
+  · width_factor`` (TP's narrow matrices: :func:`width_factor`) on the fullest stage (``⌈L/(p·v)⌉·v`` layers), plus the head's FLOPs on the last stage;
   plus the element-wise operations between the matrix products, bound by memory bandwidth: each
   byte a layer keeps for backward crosses the GPU's memory about five times (written and read
   again in forward, read in backward, its gradient written and read): ``5 ·`` the layer's
@@ -58,6 +58,18 @@ def collective(link: AlphaBeta, op: str, nbytes: float, n: int, messages: float 
 def all_to_all(link: AlphaBeta, nbytes: float, n: int) -> float:
     """Seconds for an all-to-all in which each rank holds ``nbytes`` and keeps ``1/n`` of them."""
     return 0.0 if n <= 1 else (n - 1) * link.alpha + (n - 1) / n * nbytes / link.beta
+
+
+def width_factor(model: Transformer, t: int, half: float) -> float:
+    """How much slower TP's narrower matrices run: each layer's products weighted by their FLOPs,
+    the attention's ``h/t`` wide per GPU (QKV's output, O's input), the MLP's ``ffn/t`` (an
+    expert's width for a MoE layer), each at ``width / (width + half)``; their harmonic mean."""
+    if not half:
+        return 1.0
+    mlp = model.active_matmul_params() - model.attn_params()
+    ffn = (model.expert_ffn or model.ffn) if model.moe else model.ffn
+    parts = [(model.attn_params(), model.hidden / t), (mlp, ffn / t)]
+    return sum(w for w, _ in parts) / sum(w * (x + half) / x for w, x in parts)
 
 
 def dp_ops(model: Transformer, choice: Choice, parts: dict, states: dict, bucket: float,
@@ -120,7 +132,7 @@ def step_time(
     link = {k: cluster.intra if where == "intra" else cluster.inter for k, where in links.items()}
     per_stage = layers_per_stage(model, c)
     tokens = b * s / cp  # one micro-batch's tokens on one GPU
-    eff = cluster.matmul_efficiency(tokens, h / t)
+    eff = cluster.matmul_efficiency(tokens) * width_factor(model, t, cluster.half_efficiency_width)
     head = 6 * model.global_batch * s * h * model.vocab
     total_flops = flops_per_step(model, recompute)
     rate = c.n_gpus * cluster.peak_flops * eff
@@ -225,4 +237,4 @@ def step_time(
     return time, hidden, extra
 
 
-__all__ = ["all_to_all", "collective", "dp_ops", "step_time"]
+__all__ = ["all_to_all", "collective", "dp_ops", "step_time", "width_factor"]

@@ -4,8 +4,8 @@ The CSC lecture's rules, in the order they are asked:
 
 1. the model fits in data parallelism (its states replicated, or sharded by ZeRO over the
    data-parallel GPUs, beside the activations of a micro-batch) → **DDP or ZeRO / FSDP**: the
-   fastest of the stages that fit (stage 1 and 2 cost DDP's communication per step, stage 3 half
-   as much again);
+   fastest of the stages that fit (each with its framework's bytes per parameter and traffic:
+   ZeRO-2 and FSDP reduce after every micro-batch, FSDP gathers every layer for each);
 2. it does not, because a layer (gathered by ZeRO-3) or a micro-batch's activations are too large
    → **tensor parallelism** inside a node (notebook 06), where NVLink carries its all-reduces;
 3. the GPUs of a node have **no fast link between them** (PCIe only: no NVLink or its peers) →
