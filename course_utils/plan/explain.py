@@ -17,6 +17,10 @@ def _s(x: float) -> str:
     return f"{x:.3g} s"
 
 
+def _stage(z: int) -> str:
+    return ("DDP (no ZeRO)", "ZeRO-1", "ZeRO-2", "ZeRO-3 (FSDP)")[z]
+
+
 def _hidden(pred: Prediction, key: str) -> str:
     hid = pred.detail["hidden"].get(key, 0.0)
     if not pred.detail.get("overlap", True) or hid <= 0:
@@ -105,16 +109,17 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
     lowest = next((z for z in STAGES if states[z] + acts <= limit), None)
     if lowest is None:
         least = min(STAGES, key=lambda z: states[z])
-        more = ["more GPUs for pp, tp" + (" or cp" if c.cp > 1 or model.seq_len >= 32768 else ""),
-                "recomputation"] + (["a smaller micro-batch"] if d["b"] > 1 else [])  # fmt: skip
+        tries = ["more GPUs for PP or TP" + (" or CP" if model.seq_len >= 32768 else "")]
+        tries += ["recomputation"] if d["recompute"] != "full" else []
+        tries += ["a smaller micro-batch"] if d["b"] > 1 else []
         lines.append(
-            f"{c.family}: even the smallest states, ZeRO-{least}'s {states[least] / GB:.1f} GB, "
-            f"leave no room for the activations: {', '.join(more[:-1])} or {more[-1]}."
+            f"{c.family}: even the smallest states, {_stage(least)}'s {states[least] / GB:.1f} GB, "
+            f"leave no room for the activations; try {'; '.join(tries)}."
         )
     elif c.zero == 0:
         lines.append(f"ZeRO off: the replicated model states ({states[0] / GB:.1f} GB) fit.")
     elif lowest == c.zero:
-        lower = ", ".join(f"ZeRO-{z} {states[z] / GB:.1f} GB" for z in range(lowest))
+        lower = ", ".join(f"{_stage(z)} {states[z] / GB:.1f} GB" for z in range(lowest))
         lines.append(
             f"ZeRO-{c.zero} ({STAGES[c.zero]}) because with less sharding the states would not "
             f"fit beside {acts / GB:.1f} GB of activations in {limit / GB:.1f} GB ({lower}); with "
@@ -122,7 +127,7 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
         )
     elif states[c.zero] > states[lowest]:
         lines.append(
-            f"{c.family}, although ZeRO-{lowest} would fit with fewer bytes "
+            f"{c.family}, although {_stage(lowest)} would fit with fewer bytes "
             f"({states[lowest] / GB:.1f} against {states[c.zero] / GB:.1f} GB of states"
             + (": inside a pipeline FSDP keeps the stage gathered" if c.pp > 1 and c.zero == 3
                else "")
@@ -130,7 +135,7 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
         )  # fmt: skip
     else:
         lines.append(
-            f"ZeRO-{c.zero}, although ZeRO-{lowest} would already fit ({states[lowest] / GB:.1f} "
+            f"{c.family}, although {_stage(lowest)} would already fit ({states[lowest] / GB:.1f} "
             f"GB of states): the higher stage saves memory, not time."
         )
     mem = pred.memory
