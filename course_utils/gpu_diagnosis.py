@@ -9,7 +9,11 @@ The rules, in order:
 
 * no GPU on the node: nothing to fix, the course runs on CPU processes;
 * ``CUDA_VISIBLE_DEVICES`` (or ``HIP_``/``ROCR_VISIBLE_DEVICES``) hides every GPU;
-* torch sees the GPUs: usable;
+* torch sees the GPUs, but has no kernels for one of them (``torch.cuda.get_arch_list()`` against
+  the device's compute capability: a V100, sm_70, under the default cu130 build): not usable, and
+  the build that has them;
+* torch sees the GPUs: usable, with what this torch's NCCL (or ROCm's RCCL) means for ranks that
+  share a GPU;
 * NVIDIA GPUs with a CPU-only or a ROCm torch; with a driver too old for torch's CUDA; with no
   driver loaded;
 * AMD GPUs with a CPU-only or a CUDA torch; without permission on ``/dev/kfd``; with a ROCm
@@ -32,6 +36,12 @@ INDEX = "https://download.pytorch.org/whl"
 MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 # The PyTorch index to use for a driver whose CUDA major release is the key.
 CUDA_INDEX = {11: "cu118", 12: "cu126", 13: "cu130"}
+# Since torch 2.11 only the CUDA 12.6 builds keep kernels for GPUs older than Turing (sm_75):
+# Volta's V100 (sm_70) and Pascal; the CUDA 12.8+ and 13.0 builds start at sm_75
+# (``torch.cuda.get_arch_list()`` of each build).
+OLD_GPU_INDEX = "cu126"
+# The first NCCL that runs several ranks of one communicator on one GPU (launcher/placement.py).
+SHARING_NCCL = (2, 30)
 
 
 @dataclass
@@ -51,6 +61,10 @@ class Probe:
     device_count: int = 0
     cuda_warning: str | None = None  # what torch warned while looking for GPUs
     visible: dict[str, str] = field(default_factory=dict)  # *_VISIBLE_DEVICES that are set
+    capabilities: list[tuple[int, int]] = field(default_factory=list)  # per visible device
+    gpu_names: list[str] = field(default_factory=list)  # torch.cuda.get_device_name(i)
+    arch_list: list[str] = field(default_factory=list)  # torch.cuda.get_arch_list()
+    nccl: tuple[int, ...] | None = None  # the NCCL (RCCL) bundled with torch
 
 
 @dataclass
@@ -60,18 +74,21 @@ class Diagnosis:
     usable: bool
     problem: str | None = None
     fix: str | None = None
+    notes: list[str] = field(default_factory=list)
+    """What the build means for the course's placement (ranks sharing a GPU), usable or not."""
 
     def render(self) -> list[str]:
         if self.vendor is None:
             return ["GPU check: no GPU on this node; the course runs on CPU processes (gloo)."]
         name = "NVIDIA" if self.vendor == "nvidia" else "AMD"
         if self.usable:
-            return [f"GPU check: {self.gpus} {name} GPU(s), usable from torch."]
-        out = [f"GPU check: {self.gpus} {name} GPU(s) on this node, but torch cannot use them."]
-        out.append(f"  why: {self.problem}")
-        if self.fix:
-            out.append(f"  fix: {self.fix}")
-        return out
+            out = [f"GPU check: {self.gpus} {name} GPU(s), usable from torch."]
+        else:
+            out = [f"GPU check: {self.gpus} {name} GPU(s) on this node, but torch cannot use them."]
+            out.append(f"  why: {self.problem}")
+            if self.fix:
+                out.append(f"  fix: {self.fix}")
+        return out + [f"  note: {n}" for n in self.notes]
 
 
 def _major_minor(v: str | None) -> tuple[int, int] | None:
@@ -108,6 +125,66 @@ def _hidden(visible: dict[str, str]) -> str | None:
 INDEX_PINS = {"cu118": "torch==2.7.1 torchvision==0.22.1"}
 
 
+def parse_arch(arch: str) -> tuple[str, tuple[int, int]] | None:
+    """``"sm_75"`` → ``("sm", (7, 5))``, ``"compute_120"`` → ``("compute", (12, 0))``,
+    ``"sm_90a"`` → ``("sm", (9, 0))``; ``None`` for anything else (``gfx90a`` on ROCm)."""
+    m = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", arch)
+    return (m.group(1), (int(m.group(2)), int(m.group(3)))) if m else None
+
+
+def has_kernels(capability: tuple[int, int], arch_list: list[str]) -> bool:
+    """Whether a build with ``arch_list`` runs on a device of ``capability``: a cubin for
+    ``sm_XY`` runs on devices of the same major ``X`` and minor ``>= Y``; PTX for ``compute_XY``
+    is compiled at load for any device ``>= (X, Y)`` (CUDA's compatibility rules). An empty or
+    non-CUDA list (ROCm) is taken as yes: nothing to compare."""
+    parsed = [a for a in map(parse_arch, arch_list) if a]
+    if not parsed:
+        return True
+    for kind, (major, minor) in parsed:
+        if kind == "sm" and capability[0] == major and capability[1] >= minor:
+            return True
+        if kind == "compute" and tuple(capability) >= (major, minor):
+            return True
+    return False
+
+
+def _archs(arch_list: list[str]) -> str:
+    sms = sorted({v for k, v in filter(None, map(parse_arch, arch_list)) if k == "sm"})
+    return f"sm_{sms[0][0]}{sms[0][1]} to sm_{sms[-1][0]}{sms[-1][1]}" if sms else "none"
+
+
+def _nccl(v: tuple[int, ...] | None) -> str:
+    return ".".join(map(str, v)) if v else "-"
+
+
+def sharing_note(p: Probe, vendor: str) -> str | None:
+    """What this torch's collective library means for several ranks on one GPU."""
+    if vendor == "amd" or p.torch_hip:
+        return (
+            "ROCm's RCCL runs one rank per GPU (on an MI250X, per GCD): the course does not share "
+            "a GPU between ranks there, so with fewer GPUs than ranks a multi-rank cell runs as "
+            "CPU ranks (gloo)"
+        )
+    if p.nccl is None:
+        return None
+    if tuple(p.nccl[:2]) >= SHARING_NCCL:
+        return (
+            f"NCCL {_nccl(p.nccl)} runs several ranks on one GPU: with fewer GPUs than ranks, "
+            "multi-rank cells share the GPUs"
+        )
+    return (
+        f"this torch's NCCL {_nccl(p.nccl)} cannot run several ranks on one GPU (that needs NCCL "
+        ">= 2.30, as in the default build, torch 2.14.1+cu130 with a driver >= 580): with fewer "
+        "GPUs than ranks, multi-rank cells run as CPU ranks (gloo)"
+    )
+
+
+OLD_NCCL_NOTE = (
+    "its bundled NCCL is older than 2.30, so ranks cannot share a GPU: with fewer GPUs than ranks, "
+    "multi-rank cells run as CPU ranks (gloo)"
+)
+
+
 def _setup(index: str) -> str:
     pins = f' TORCH_PINS="{INDEX_PINS[index]}"' if index in INDEX_PINS else ""
     return f"make setup TORCH_INDEX={INDEX}/{index}{pins}"
@@ -135,7 +212,27 @@ def diagnose(p: Probe) -> Diagnosis:
         d.fix = f"unset {hidden}   (or set it to the GPUs this job was given, e.g. 0,1)"
         return d
     if p.cuda_available and p.device_count:
+        missing = [i for i, cap in enumerate(p.capabilities) if not has_kernels(cap, p.arch_list)]
+        if missing:
+            i = missing[0]
+            cap = p.capabilities[i]
+            name = p.gpu_names[i] if i < len(p.gpu_names) else f"GPU {i}"
+            d.problem = (
+                f"{name} (compute capability {cap[0]}.{cap[1]}, sm_{cap[0]}{cap[1]}): this torch "
+                f"{p.torch_version} has kernels for {_archs(p.arch_list)} only "
+                "(torch.cuda.get_arch_list()), so its first kernel would fail with 'no kernel "
+                "image is available for execution on the device'."
+            )
+            d.fix = (
+                _setup(OLD_GPU_INDEX)
+                + "   (torch's CUDA 12.6 builds still carry kernels for GPUs older than sm_75; "
+                + OLD_NCCL_NOTE
+                + ")"
+            )
+            return d
         d.usable = True
+        note = sharing_note(p, vendor)
+        d.notes = [note] if note else []
         return d
     torch_build = (
         f"CUDA {p.torch_cuda}" if p.torch_cuda else f"ROCm {p.torch_hip}" if p.torch_hip else "CPU"
@@ -167,7 +264,9 @@ def diagnose(p: Probe) -> Diagnosis:
                 f"{p.torch_version} is built for CUDA {p.torch_cuda}, which needs a driver "
                 f">= {MIN_DRIVER.get(torch_cuda[0], 'newer')}."
             )
-            d.fix = _setup(index) + "   (a torch built for the driver's CUDA)"
+            d.fix = (
+                _setup(index) + "   (a torch built for the driver's CUDA; " + OLD_NCCL_NOTE + ")"
+            )
             return d
         d.problem = f"torch ({torch_build}) found no usable GPU" + (
             f": {p.cuda_warning}" if p.cuda_warning else "."
@@ -236,6 +335,17 @@ def gather() -> Probe:
             rocm_version = f.read().strip() or None
     except OSError:
         rocm_version = None
+    caps, names, arch_list, nccl = [], [], [], None
+    if available:
+        try:
+            caps = [tuple(torch.cuda.get_device_capability(i)) for i in range(count)]
+            names = [torch.cuda.get_device_name(i) for i in range(count)]
+            arch_list = list(torch.cuda.get_arch_list())
+        except Exception:  # a device torch cannot query: the rules below say why
+            pass
+        from .launcher.placement import nccl_version
+
+        nccl = nccl_version()
     nodes = sorted(glob.glob("/dev/nvidia[0-9]*")) + (
         ["/dev/kfd"] if os.path.exists("/dev/kfd") else []
     )
@@ -257,7 +367,12 @@ def gather() -> Probe:
             for v in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
             if v in os.environ
         },
+        capabilities=caps,
+        gpu_names=names,
+        arch_list=arch_list,
+        nccl=nccl,
     )
 
 
-__all__ = ["Probe", "Diagnosis", "diagnose", "gather", "parse_nvidia_smi", "parse_rocm_smi"]
+__all__ = ["Probe", "Diagnosis", "diagnose", "gather", "has_kernels", "parse_arch",
+           "parse_nvidia_smi", "parse_rocm_smi", "sharing_note"]  # fmt: skip

@@ -247,3 +247,64 @@ def test_a_driver_of_the_same_cuda_major_is_not_too_old(smi, torch_cuda, too_old
     assert said_too_old is too_old, d.problem
     if not too_old:
         assert d.problem.startswith("torch (CUDA") and "found no usable GPU" in d.problem
+
+
+CU130_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.14.1+cu130
+
+
+def test_v100_under_the_cu130_build_has_no_kernels():
+    """torch 2.14.1+cu130 carries kernels for sm_75 and newer: a V100 (sm_70) is visible and
+    torch.cuda.is_available() says yes, but the first kernel fails. doctor says so and names the
+    cu126 build, with what its older NCCL means for shared ranks."""
+    probe = nvidia("nvidia-smi-580-h100.txt", cuda_available=True, device_count=1,
+                   capabilities=[(7, 0)], gpu_names=["Tesla V100-SXM2-32GB"],
+                   arch_list=CU130_ARCHS, nccl=(2, 30, 7))  # fmt: skip
+    d = diagnose(probe)
+    assert not d.usable
+    assert "Tesla V100-SXM2-32GB (compute capability 7.0, sm_70)" in d.problem
+    assert "kernels for sm_75 to sm_120 only" in d.problem and "no kernel image" in d.problem
+    assert d.fix.startswith("make setup TORCH_INDEX=https://download.pytorch.org/whl/cu126")
+    assert "older than 2.30" in d.fix and "CPU ranks" in d.fix
+    assert any(line.startswith("  fix: make setup") for line in d.render())
+
+
+def test_t4_with_a_driver_older_than_580_is_told_what_its_build_means():
+    """A T4 node on a CUDA 12.2 driver: the fix is the cu126 build, whose NCCL cannot share a
+    GPU between ranks, and the doctor says so before the student starts."""
+    d = diagnose(nvidia(cuda_warning="The NVIDIA driver on your system is too old"))
+    assert d.fix.startswith("make setup TORCH_INDEX=https://download.pytorch.org/whl/cu126")
+    assert "older than 2.30, so ranks cannot share a GPU" in d.fix
+
+
+@pytest.mark.parametrize(
+    ("nccl", "words"),
+    [((2, 30, 7), "runs several ranks on one GPU"), ((2, 27, 3), "cannot run several ranks")],
+)
+def test_usable_gpu_notes_what_the_nccl_means_for_shared_ranks(nccl, words):
+    probe = nvidia("nvidia-smi-580-h100.txt", cuda_available=True, device_count=1,
+                   capabilities=[(7, 5)], arch_list=CU130_ARCHS, nccl=nccl)  # fmt: skip
+    d = diagnose(probe)
+    assert d.usable and words in d.notes[0]
+    assert d.render()[1].startswith("  note: ")
+
+
+def test_mi250x_rocm_build_runs_one_rank_per_gcd():
+    probe = amd(torch_cuda=None, torch_hip="6.2.41133", cuda_available=True, device_count=8,
+                arch_list=["gfx90a", "gfx942"], capabilities=[(9, 0)] * 8, nccl=(2, 20, 5))  # fmt: skip
+    d = diagnose(probe)
+    assert d.usable and d.vendor == "amd"
+    assert "RCCL runs one rank per GPU (on an MI250X, per GCD)" in d.notes[0]
+
+
+def test_kernel_rules_of_cuda():
+    from course_utils.gpu_diagnosis import has_kernels, parse_arch
+
+    assert parse_arch("sm_90a") == ("sm", (9, 0)) and parse_arch("compute_120") == (
+        "compute",
+        (12, 0),
+    )
+    assert not has_kernels((7, 0), CU130_ARCHS)
+    assert has_kernels((8, 9), CU130_ARCHS)  # sm_86's cubin runs on sm_89
+    assert not has_kernels((9, 0), ["sm_80", "sm_86"])  # a cubin never runs on a newer major
+    assert has_kernels((9, 0), ["sm_80", "compute_80"])  # PTX is compiled for it at load
+    assert has_kernels((9, 0), ["gfx90a"])  # ROCm's list: nothing to compare

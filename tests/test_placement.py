@@ -217,3 +217,30 @@ def test_a_script_under_launch_keeps_the_launchers_placement(monkeypatch, tmp_pa
     assert cdist._pick_device(topo(1, 2), "gloo") == ("gloo", torch.device("cuda", 0), {})
     monkeypatch.delenv("COURSE_RUN_DIR")  # a stray variable outside launch is ignored
     assert cdist._pick_device(topo(1, 2), "gloo")[1] == torch.device("cpu")
+
+
+CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.14.1+cu130's list
+
+
+def test_no_rank_on_a_gpu_the_build_has_no_kernels_for():
+    """A V100 (sm_70) under the default cu130 build: launch refuses before any process starts,
+    names the build that has its kernels and what that build's NCCL means; a T4 (sm_75) and an
+    L4 (sm_89, through sm_86's cubin) are placed; device='cpu' still runs."""
+    with pytest.raises(ValueError) as e:
+        plan(2, gpus=1, nccl=(2, 30, 7), env={}, rocm=False, capabilities=[(7, 0)],
+             arch_list=CU130)  # fmt: skip
+    msg = str(e.value)
+    assert "sm_70" in msg and "kernels for sm_75 to sm_120 only" in msg
+    assert "TORCH_INDEX=https://download.pytorch.org/whl/cu126" in msg
+    assert "older than 2.30" in msg and "device='cpu'" in msg
+    for cap in ((7, 5), (8, 9)):
+        p = plan(2, gpus=2, nccl=(2, 30, 7), env={}, rocm=False, capabilities=[cap] * 2,
+                 arch_list=CU130)  # fmt: skip
+        assert p.device_type == "cuda"
+    cpu = plan(2, device="cpu", gpus=1, nccl=(2, 30, 7), env={}, rocm=False,
+               capabilities=[(7, 0)], arch_list=CU130)  # fmt: skip
+    assert cpu.device_type == "cpu"
+    # the cu126 build keeps Volta's kernels
+    old = plan(1, gpus=1, nccl=(2, 27, 3), env={}, rocm=False, capabilities=[(7, 0)],
+               arch_list=["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"])  # fmt: skip
+    assert old.device_type == "cuda"

@@ -141,12 +141,17 @@ def plan(
     nccl: tuple[int, int, int] | None | str = "probe",
     env: Mapping[str, str] | None = None,
     rocm: bool | None = None,
+    capabilities: list[tuple[int, int]] | None = None,
+    arch_list: list[str] | None = None,
 ) -> Placement:
     """Where ``world_size`` ranks run on this node, or a ``ValueError`` that says what to change.
 
-    ``gpus`` (visible GPU count), ``nccl`` (version tuple), ``env`` and ``rocm`` (a ROCm build,
-    whose RCCL the course does not share GPUs with) default to this machine's; tests pass them to
-    play a node with 1, 2, 3 or 4 GPUs and any NCCL.
+    ``gpus`` (visible GPU count), ``nccl`` (version tuple), ``env``, ``rocm`` (a ROCm build,
+    whose RCCL the course does not share GPUs with), ``capabilities`` (each GPU's compute
+    capability) and ``arch_list`` (``torch.cuda.get_arch_list()``) default to this machine's; tests
+    pass them to play a node with 1, 2, 3 or 4 GPUs, any NCCL and any GPU generation. Ranks are
+    never placed on a GPU this torch has no kernels for (a V100 under the cu130 build): the error
+    names the build that has them, before any process starts.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -187,6 +192,7 @@ def plan(
         if (backend == "nccl" or nccl is not None)
         else "gloo"
     )
+    _refuse_without_kernels(gpus, capabilities, arch_list)
     if gpus >= n:
         return Placement(
             n, use, "cuda", tuple(range(n)), f"{gpus} GPU{'s' if gpus > 1 else ''} visible", nccl
@@ -230,13 +236,38 @@ def plan(
     return _with(cpu, f"{gpus} GPU{'s' if gpus > 1 else ''} for {n} ranks, and {why}")
 
 
+def _refuse_without_kernels(gpus: int, capabilities, arch_list) -> None:
+    from ..gpu_diagnosis import OLD_GPU_INDEX, OLD_NCCL_NOTE, _archs, _setup, has_kernels
+
+    try:
+        if capabilities is None:
+            capabilities = [tuple(torch.cuda.get_device_capability(i)) for i in range(gpus)]
+        if arch_list is None:
+            arch_list = list(torch.cuda.get_arch_list())
+    except Exception:  # a device torch cannot query (or a node played by a test): launch says
+        return  # what the device says when a rank starts; `make doctor` explains
+    for i, cap in enumerate(capabilities[:gpus]):
+        if not has_kernels(tuple(cap), arch_list):
+            raise ValueError(
+                f"cuda:{i} has compute capability {cap[0]}.{cap[1]} (sm_{cap[0]}{cap[1]}), but "
+                f"this torch {torch.__version__} has kernels for {_archs(arch_list)} only: its "
+                "first kernel would fail with 'no kernel image is available'. Install the build "
+                f"that has them, `{_setup(OLD_GPU_INDEX)}` ({OLD_NCCL_NOTE}), or pass "
+                "device='cpu' to run the ranks as CPU processes now."
+            )
+
+
 def _with(p: Placement, reason: str) -> Placement:
     return Placement(p.world_size, p.backend, p.device_type, p.gpus, reason, p.nccl)
 
 
 def describe(world_size: int) -> str:
-    """Where ``world_size`` ranks of a plain ``launch`` would run on this node, in one line."""
-    return plan(world_size).describe()
+    """Where ``world_size`` ranks of a plain ``launch`` would run on this node, in one line (or
+    why ``launch`` would refuse)."""
+    try:
+        return plan(world_size).describe()
+    except ValueError as e:
+        return f"{world_size} ranks: launch refuses: {e}"
 
 
 __all__ = ["Placement", "plan", "describe", "nccl_version", "SHARE_ENV", "SHARING_NCCL"]
