@@ -7,8 +7,9 @@ each dimension's communication, split into what hides behind compute and what st
   byte a layer keeps for backward crosses the GPU's memory about five times (written and read
   again in forward, read in backward, its gradient written and read): ``5 ·`` the layer's
   activation bytes per micro-batch (a third more with full recomputation).
-- **bubble**: 1F1B idles ``(p-1)/(m+p-1)`` of the step, i.e. ``compute · (p-1)/m``; interleaving
-  ``v`` chunks divides it by ``v`` (Narayanan et al. 2021, §2.2).
+- **bubble**: 1F1B idles ``(p-1)/(m+p-1)`` of the step, i.e. ``compute · (p-1)/m`` of a stage
+  without the head (the fill and drain pass through those; the last stage's head only slows the
+  ``m`` micro-batches); interleaving ``v`` chunks divides it by ``v`` (Narayanan et al. 2021, §2.2).
 - **tp**: Megatron's four all-reduces of ``b·s·h/cp`` values per layer and micro-batch (six with
   full recomputation); sequence parallelism's all-gather/reduce-scatter pairs cost the same.
   Exposed unless ``tp_overlap`` (Megatron-Core's ``--tp-comm-overlap``, torchtitan's async TP).
@@ -137,14 +138,18 @@ def step_time(
     total_flops = flops_per_step(model, recompute)
     rate = c.n_gpus * cluster.peak_flops * eff
     layer_time = (total_flops - head) / rate * p / L  # one layer's share of the step, per stage
-    compute = per_stage * layer_time + head / rate * p  # the last stage also runs the head
+    head_time = head / rate * p  # the last stage also runs the head
+    compute = per_stage * layer_time
     elementwise = 0.0
     if cluster.memory_bandwidth:  # memory-bound work between the matrix products
         passes = 5 * (4 / 3 if recompute == "full" else 1)
         elementwise = passes * layer_bytes * per_stage * m / cluster.memory_bandwidth
     compute += elementwise
     frac = theory_bubble(p, m, v)
+    # the fill and drain pass through the other stages, which hold layers only: the slowest stage
+    # (the last, with the head) sets the pace of the m micro-batches, the others the bubble
     bubble = compute * frac / (1 - frac)
+    compute += head_time
 
     # one micro-batch's forward and backward on this GPU (the windows communication can hide in)
     passes = {"none": 3, "selective": 3, "full": 4}[recompute]
