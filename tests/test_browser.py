@@ -127,8 +127,8 @@ def lab(tmp_path_factory):
     server.wait(20)
 
 
-@pytest.fixture(scope="module")
-def browser(lab):
+def chrome(user_data_dir: Path):
+    """A headless Chromium driven by selenium, with its own profile (cookies) in ``user_data_dir``."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -144,10 +144,15 @@ def browser(lab):
         "--disable-component-update",
         "--disable-sync",
         "--window-size=1400,1000",
-        f"--user-data-dir={lab['root'] / 'chromium'}",
+        f"--user-data-dir={user_data_dir}",
     ):
         options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    return webdriver.Chrome(service=Service(DRIVER), options=options)
+
+
+@pytest.fixture(scope="module")
+def browser(lab):
+    driver = chrome(lab["root"] / "chromium")
     driver.get(f"{lab['base']}/lab/tree/course.ipynb?token={lab['token']}")
     yield driver
     driver.quit()
@@ -191,6 +196,16 @@ def kernel_idle(driver) -> bool:
 
     bars = driver.find_elements(By.CSS_SELECTOR, "#jp-main-statusbar")
     return bool(bars) and "Distributed training course | Idle" in bars[0].text
+
+
+def interrupt(driver) -> None:
+    """Kernel -> Interrupt, with the notebook toolbar's stop button."""
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(
+        By.CSS_SELECTOR,
+        "jp-button[data-command='notebook:interrupt-kernel'], [data-command='notebook:interrupt-kernel']",
+    ).click()
 
 
 def run_cell(driver, index: int) -> None:
@@ -261,11 +276,7 @@ def test_a_student_session(lab, browser):
         "the sleepers' pids",
     )
     assert all(pid_alive(p) for p in pids)
-    stop = driver.find_element(
-        By.CSS_SELECTOR,
-        "jp-button[data-command='notebook:interrupt-kernel'], [data-command='notebook:interrupt-kernel']",
-    )
-    stop.click()
+    interrupt(driver)
     wait_for(lambda: prompt(cells(driver)[3]) != "[*]:", 60, "the interrupt to end the cell")
     text = output_text(cells(driver)[3])
     assert "ranks were stopped" in text and "KeyboardInterrupt" in text, text

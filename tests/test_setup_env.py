@@ -45,10 +45,11 @@ def _requirement_names(dist: md.Distribution) -> list[str]:
     return names
 
 
-def make_site(folder: Path) -> Path:
-    """A site module's folder: torch and its dependencies only, linked from this environment."""
+def make_site(folder: Path, roots: tuple[str, ...] = ("torch",)) -> Path:
+    """A site module's folder: torch (and ``roots``) and their dependencies only, linked from this
+    environment."""
     folder.mkdir(parents=True)
-    todo, seen = ["torch"], set()
+    todo, seen = list(roots), set()
     while todo:
         name = todo.pop()
         key = name.lower().replace("_", "-")
