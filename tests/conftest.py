@@ -142,3 +142,37 @@ def busy_cores():
     for p in procs:
         p.kill()
         p.wait()
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@pytest.fixture(scope="session")
+def hub_env():
+    """``make hub-env`` once per session, for test_setup_env's checks of the shared environment and
+    for test_hub's real JupyterHub: a stand-in for a site's torch module (torch and numpy linked
+    from this environment), ``USE_SYSTEM_TORCH=1``, the kernel under its own ``KERNEL_PREFIX`` and a
+    ``DATA_DIR``, all in a 0755 folder under /tmp (not under /root), built from a Python every user
+    can run (Debian's ``/usr/bin/python3`` where it exists). The result is a dict of paths and the
+    ``make`` process; the folder is removed at the end of the session."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from tests.test_setup_env import base_python, make_site, site_env
+
+    top = Path(tempfile.mkdtemp(prefix="crs-hubenv-"))
+    top.chmod(0o755)
+    python = SYSTEM_PYTHON if os.access(SYSTEM_PYTHON, os.X_OK) else base_python()
+    site = make_site(top / "site-packages", ("torch", "numpy"))
+    prefix, kernels, data = top / "shared" / "distributed-course", top / "kernels", top / "data"
+    env = site_env(site) | {"JUPYTER_PATH": "", "JUPYTER_DATA_DIR": str(top / "nouser")}
+    made = subprocess.run(
+        ["make", "-C", str(Path(__file__).resolve().parents[1]), "hub-env", f"PREFIX={prefix}",
+         f"KERNEL_PREFIX={kernels}", "USE_SYSTEM_TORCH=1", f"PYTHON={python}",
+         f"DATA_DIR={data}"],
+        capture_output=True, text=True, env=env, timeout=900,
+    )  # fmt: skip
+    yield {"top": top, "site": site, "prefix": prefix, "kernels": kernels, "data": data,
+           "python": python, "env": env, "made": made}  # fmt: skip
+    shutil.rmtree(top, ignore_errors=True)

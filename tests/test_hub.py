@@ -4,9 +4,10 @@ The hub runs as root on 127.0.0.1 (free ports) with its ``configurable-http-prox
 local users are created for the test (``useradd -m``, random ``crs…`` names) and removed with their
 homes at the end, also when it fails. The hub spawns each user's ``jupyterhub-singleuser`` as that
 user with JupyterHub's default ``LocalProcessSpawner``; it is the one in the shared environment that
-``make hub-env`` builds (from Debian's ``/usr/bin/python3``, which every user can run, and a
-stand-in for a site's torch module, as in tests/test_setup_env.py), and the kernel is registered in
-that environment's prefix (``KERNEL_PREFIX``), where every user server finds it. Logging in uses
+``make hub-env`` builds (conftest's ``hub_env``, shared with tests/test_setup_env.py: from Debian's
+``/usr/bin/python3``, which every user can run, and a stand-in for a site's torch module), and the
+kernel is registered under its own ``KERNEL_PREFIX``, which the spawner puts on every user server's
+``JUPYTER_PATH``. Logging in uses
 JupyterHub's ``DummyAuthenticator`` with a password the test sets: any allowed name with that
 password gets in; it stands for the site's real authenticator, which is not what is tested here.
 
@@ -54,7 +55,6 @@ from tests.test_browser import (
     run_cell,
     wait_for,
 )
-from tests.test_setup_env import make_site, site_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.notebook, pytest.mark.hub]
 
@@ -152,20 +152,9 @@ class Hub:
             self.made.append(s.name)
             s.home_dir = s.home
 
-    def build_env(self) -> Path:
-        """``make hub-env`` into ``top/course``: the shared venv, its kernel and course-utils."""
-        site = make_site(self.top / "site-packages", ("torch", "numpy"))  # a site's torch module
-        prefix = self.top / "course"
-        env = site_env(site) | {"JUPYTER_PATH": "", "JUPYTER_DATA_DIR": str(self.top / "nouser")}
-        r = subprocess.run(
-            ["make", "-C", str(ROOT), "hub-env", f"PREFIX={prefix}",
-             f"KERNEL_PREFIX={prefix / 'venv'}", "USE_SYSTEM_TORCH=1", f"PYTHON={SYSTEM_PYTHON}"],
-            capture_output=True, text=True, env=env, timeout=600,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        return prefix
-
-    def start(self, prefix: Path) -> None:
+    def start(self, hub_env: dict) -> None:
+        prefix, site = hub_env["prefix"], hub_env["site"]
+        kernels = hub_env["kernels"] / "share" / "jupyter"  # KERNEL_PREFIX's share/jupyter
         singleuser = prefix / "venv" / "bin" / "jupyterhub-singleuser"
         assert singleuser.exists(), "the hub environment has no jupyterhub-singleuser"
         config = self.top / "jupyterhub_config.py"
@@ -189,8 +178,10 @@ c.Spawner.cmd = [{str(singleuser)!r}]
 c.Spawner.default_url = "/lab"
 c.Spawner.env_keep = ["PATH", "LANG"]
 # the site module's path, as a hub whose servers start with the module loaded: the venv takes
-# torch's own dependencies (jinja2, which the server needs too) from it
-c.Spawner.environment = {{"COURSE_SIZE": "ci", "PYTHONPATH": {str(self.top / "site-packages")!r}}}
+# torch's own dependencies (jinja2, which the server needs too) from it; JUPYTER_PATH: where
+# make hub-env registered the kernel (KERNEL_PREFIX), as a hub whose kernels live elsewhere sets it
+c.Spawner.environment = {{"COURSE_SIZE": "ci", "PYTHONPATH": {str(site)!r},
+                          "JUPYTER_PATH": {str(kernels)!r}}}
 c.Spawner.start_timeout = 120
 c.Spawner.http_timeout = 120
 """
@@ -259,19 +250,25 @@ c.Spawner.http_timeout = 120
 
 
 @pytest.fixture(scope="module")
-def hub():
+def hub(request):
     why = unavailable()
     if why:
         pytest.skip(why)
-    top = Path(tempfile.mkdtemp(prefix="crs-hub-"))  # not under /root: every user reads the venv
+    hub_env = request.getfixturevalue("hub_env")  # conftest: make hub-env, once per session
+    made = hub_env["made"]
+    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    if hub_env["python"] != SYSTEM_PYTHON:
+        pytest.skip(
+            f"the hub environment must be built from {SYSTEM_PYTHON}, which every user runs"
+        )
+    top = Path(tempfile.mkdtemp(prefix="crs-hub-"))  # not under /root: every user reads it
     top.chmod(0o755)
     h = Hub(top)
     try:
         h.add_users()
-        prefix = h.build_env()
-        h.start(prefix)
+        h.start(hub_env)
         for s in h.students:
-            w = s.run(str(prefix / "bin" / "course-utils"), "workspace", "--dir",
+            w = s.run(str(hub_env["prefix"] / "bin" / "course-utils"), "workspace", "--dir",
                       str(s.home / "distributed-course"))  # fmt: skip
             assert w.returncode == 0, w.stdout + w.stderr
             add_test_cells(s)

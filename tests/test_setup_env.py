@@ -251,14 +251,11 @@ def test_site_torch_venv_installs_only_what_is_missing(site, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # as above
-def test_hub_env_serves_every_user_from_one_place(site, tmp_path):
-    env = site_env(site) | {"JUPYTER_PATH": "", "JUPYTER_DATA_DIR": str(tmp_path / "nouser")}
-    prefix, kernels = tmp_path / "shared" / "distributed-course", tmp_path / "kernels"
-    r = subprocess.run(
-        ["make", "-C", str(ROOT), "hub-env", f"PREFIX={prefix}", f"KERNEL_PREFIX={kernels}",
-         "USE_SYSTEM_TORCH=1", f"PYTHON={base_python()}", f"DATA_DIR={tmp_path / 'data'}"],
-        capture_output=True, text=True, env=env, timeout=900,
-    )  # fmt: skip
+def test_hub_env_serves_every_user_from_one_place(hub_env, tmp_path):
+    """``make hub-env`` (built once per session by conftest's ``hub_env``, which tests/test_hub.py
+    runs a real JupyterHub on)."""
+    r, site, env = hub_env["made"], hub_env["site"], hub_env["env"]
+    prefix, kernels = hub_env["prefix"], hub_env["kernels"]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     venv = prefix / "venv"
     spec = json.loads(
@@ -267,7 +264,7 @@ def test_hub_env_serves_every_user_from_one_place(site, tmp_path):
     assert spec["argv"][0] == str(venv / "bin" / "python")
     assert spec["display_name"] == "Distributed training course"
     assert spec["env"]["PYTHONPATH"] == str(site)  # the module's path, kept for the hub's kernels
-    assert spec["env"]["COURSE_DATA_DIR"] == str(tmp_path / "data")
+    assert spec["env"]["COURSE_DATA_DIR"] == str(hub_env["data"])
     # course_utils is a copy inside PREFIX, not a link to the instructor's checkout
     where = in_venv(venv, "import course_utils; print(course_utils.__file__)", env)
     assert where.startswith(str(venv)), where
