@@ -153,7 +153,8 @@ def hub_env():
     for test_hub's real JupyterHub: a stand-in for a site's torch module (torch and numpy linked
     from this environment), ``USE_SYSTEM_TORCH=1``, the kernel under its own ``KERNEL_PREFIX`` and a
     ``DATA_DIR``, all in a 0755 folder under /tmp (not under /root), built from a Python every user
-    can run (Debian's ``/usr/bin/python3`` where it exists). The result is a dict of paths and the
+    can run (Debian's ``/usr/bin/python3`` where it exists); the stand-in's files are hard links,
+    which other users can read whatever the permissions of this checkout's path. The result is a dict of paths and the
     ``make`` process; the folder is removed at the end of the session."""
     import shutil
     import subprocess
@@ -164,7 +165,7 @@ def hub_env():
     top = Path(tempfile.mkdtemp(prefix="crs-hubenv-"))
     top.chmod(0o755)
     python = SYSTEM_PYTHON if os.access(SYSTEM_PYTHON, os.X_OK) else base_python()
-    site = make_site(top / "site-packages", ("torch", "numpy"))
+    site = make_site(top / "site-packages", ("torch", "numpy"), hardlink=True)
     prefix, kernels, data = top / "shared" / "distributed-course", top / "kernels", top / "data"
     env = site_env(site) | {"JUPYTER_PATH": "", "JUPYTER_DATA_DIR": str(top / "nouser")}
     made = subprocess.run(

@@ -266,6 +266,11 @@ def hub(request):
     h = Hub(top)
     try:
         h.add_users()
+        torch_init = next(hub_env["site"].glob("torch/__init__.py"))
+        readable = h.students[0].run("test", "-r", str(torch_init))
+        if readable.returncode != 0:  # symbolic links into a checkout closed to other users
+            pytest.skip(f"the hub's users cannot read {torch_init}: put the checkout on a path "
+                        "every user can traverse, or /tmp on the checkout's filesystem")  # fmt: skip
         h.start(hub_env)
         for s in h.students:
             w = s.run(str(hub_env["prefix"] / "bin" / "course-utils"), "workspace", "--dir",

@@ -17,6 +17,7 @@ import importlib.metadata as md
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,9 +46,11 @@ def _requirement_names(dist: md.Distribution) -> list[str]:
     return names
 
 
-def make_site(folder: Path, roots: tuple[str, ...] = ("torch",)) -> Path:
+def make_site(folder: Path, roots: tuple[str, ...] = ("torch",), hardlink: bool = False) -> Path:
     """A site module's folder: torch (and ``roots``) and their dependencies only, linked from this
-    environment."""
+    environment: symbolic links, or with ``hardlink`` hard links to each file (other users can
+    then read them through ``folder`` even when this checkout's path is closed to them, as a fresh
+    clone under a 0700 temporary directory is; falls back to symbolic links across filesystems)."""
     folder.mkdir(parents=True)
     todo, seen = list(roots), set()
     while todo:
@@ -65,9 +68,22 @@ def make_site(folder: Path, roots: tuple[str, ...] = ("torch",)) -> Path:
         for top in tops:
             src = base / top
             if src.exists() and not (folder / top).exists() and top not in ("bin", "__pycache__"):
-                (folder / top).symlink_to(src)
+                _link(src, folder / top, hardlink)
         todo += _requirement_names(dist)
     return folder
+
+
+def _link(src: Path, dst: Path, hardlink: bool) -> None:
+    if hardlink:
+        try:
+            if src.is_dir():
+                shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
+            else:
+                os.link(src, dst)
+            return
+        except OSError:  # another filesystem: symbolic links, as without hardlink
+            shutil.rmtree(dst, ignore_errors=True)
+    dst.symlink_to(src)
 
 
 def site_env(site: Path) -> dict:
