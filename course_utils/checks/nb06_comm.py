@@ -41,7 +41,89 @@ class _ReduceContiguous(OnlyCommunication):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+def _judge_f(copy_cls, x, grads, r) -> None:
+    """f (CopyToTP): the identity forward, one all-reduce of the input's gradient in backward,
+    on a gradient that is not contiguous in memory."""
+    xf = x.clone().requires_grad_()
+    with OnlyCommunication("06.1", ("allreduce_", "all_reduce"), REDUCE_ONLY) as fwd:
+        y = copy_cls.apply(xf)
+    if fwd.calls:
+        fail("06.1", f"f's forward communicated ({dict(fwd.calls)}): X is already whole on "
+             "every rank, so f's forward is the identity")  # fmt: skip
+    if not torch.equal(y.detach(), x):
+        fail("06.1", "f's forward must return its input unchanged")
+    want = sum(grads)
+    # a gradient laid out transposed in memory, as one arriving through a transpose is: the
+    # all-reduce needs a contiguous tensor
+    strided = grads[r].clone().transpose(-1, -2).contiguous().transpose(-1, -2)
+    with _ReduceContiguous() as bwd:
+        try:
+            y.backward(strided)
+        except RuntimeError as err:
+            if "contiguous" not in str(err):
+                raise
+            fail("06.1", "f's backward received a gradient that is not contiguous in memory "
+                 "(as one that comes through a transpose is) and the all-reduce refused it: "
+                 "all-reduce grad.contiguous() (a copy only when needed)")  # fmt: skip
+    if sum(bwd.calls.values()) != 1:
+        fail("06.1", f"f's backward issued {dict(bwd.calls) or 'no collective'}: it needs "
+             "exactly one all-reduce of the input's gradient")  # fmt: skip
+    if xf.grad is None or not torch.allclose(xf.grad, want, atol=1e-12):
+        fail("06.1", f"rank {r}: f's backward must return the sum over ranks of the gradient "
+             "each rank received (each holds only the part that flows through its own "
+             "output features)")  # fmt: skip
+
+
+def _judge_g(reduce_cls, parts, upstream, r) -> None:
+    """g (ReduceFromTP): one all-reduce of the partial sums forward, input untouched, the
+    identity backward."""
+    xg = parts[r].clone().requires_grad_()
+    before = xg.detach().clone()
+    with OnlyCommunication("06.1", ("allreduce_", "all_reduce"), REDUCE_ONLY) as fwd:
+        y = reduce_cls.apply(xg)
+    if sum(fwd.calls.values()) != 1:
+        fail("06.1", f"g's forward issued {dict(fwd.calls) or 'no collective'}: it needs "
+             "exactly one all-reduce of the partial sums")  # fmt: skip
+    if not torch.equal(xg.detach(), before):
+        fail("06.1", "g changed its input in place: all-reduce works in place, and autograd may "
+             "have saved that tensor for the backward of the layer before; reduce a copy")  # fmt: skip
+    if not torch.allclose(y.detach(), sum(parts), atol=1e-12):
+        fail("06.1", f"rank {r}: g's forward must return the sum of every rank's partial sums")
+    with OnlyCommunication("06.1", ("allreduce_", "all_reduce"), REDUCE_ONLY) as bwd:
+        y.backward(upstream.clone())
+    if bwd.calls:
+        fail("06.1", f"g's backward communicated ({dict(bwd.calls)}): dL/dY is already the "
+             "same on every rank, so g's backward is the identity")  # fmt: skip
+    if xg.grad is None or not torch.allclose(xg.grad, upstream, atol=1e-12):
+        fail("06.1", f"rank {r}: g's backward must pass the gradient through unchanged")
+
+
+def _judge_column_row_mlp(ctx, copy_cls, reduce_cls, x, upstream, g) -> None:
+    """f and g around a column-then-row MLP: output and input gradient equal to one process's.
+    ``g`` is the generator the worker drew ``x`` and ``upstream`` from: the weights come next."""
+    t, r = ctx.world_size, ctx.rank
+    d_in, hidden = 4, 6 * t
+    w1 = torch.randn(hidden, d_in, generator=g, dtype=torch.float64).to(ctx.device)
+    w2 = torch.randn(d_in, hidden, generator=g, dtype=torch.float64).to(ctx.device)
+    xm = x.clone().requires_grad_()
+    ref = F.linear(F.gelu(F.linear(xm, w1)), w2)
+    ref.backward(upstream.clone())
+    w1_r = w1.chunk(t, 0)[r].clone().requires_grad_()
+    w2_r = w2.chunk(t, 1)[r].clone().requires_grad_()
+    xs = x.clone().requires_grad_()
+    out = reduce_cls.apply(F.linear(F.gelu(F.linear(copy_cls.apply(xs), w1_r)), w2_r))
+    out.backward(upstream.clone())
+    for what, a, b in (
+        ("output", out.detach(), ref.detach()),
+        ("input gradient", xs.grad, xm.grad),
+    ):
+        if a is None or not torch.allclose(a, b, atol=1e-10):
+            fail("06.1", f"rank {r}: a column-then-row MLP built with your f and g gives the "
+                 f"wrong {what}")  # fmt: skip
+
+
 def _f_g_worker(ctx, copy_cls, reduce_cls):
+    """One rank of check 06.1: f, then g, then both around an MLP, the package's f and g refused."""
     t, r = ctx.world_size, ctx.rank
     refs = [comm._CopyToTP, comm._ReduceFromTP, comm.copy_to_tp, comm.reduce_from_tp]
     g = torch.Generator().manual_seed(7)  # the same numbers on every rank
@@ -53,74 +135,9 @@ def _f_g_worker(ctx, copy_cls, reduce_cls):
     watch = contextlib.ExitStack()
     watch.enter_context(refuse_calls("06.1", refs, PACKAGE_F_G))
     with watch:
-        # f: identity forward, all-reduce of the input's gradient in backward
-        xf = x.clone().requires_grad_()
-        with OnlyCommunication("06.1", ("allreduce_", "all_reduce"), REDUCE_ONLY) as fwd:
-            y = copy_cls.apply(xf)
-        if fwd.calls:
-            fail("06.1", f"f's forward communicated ({dict(fwd.calls)}): X is already whole on "
-                 "every rank, so f's forward is the identity")  # fmt: skip
-        if not torch.equal(y.detach(), x):
-            fail("06.1", "f's forward must return its input unchanged")
-        want = sum(grads)
-        # a gradient laid out transposed in memory, as one arriving through a transpose is: the
-        # all-reduce needs a contiguous tensor
-        strided = grads[r].clone().transpose(-1, -2).contiguous().transpose(-1, -2)
-        with _ReduceContiguous() as bwd:
-            try:
-                y.backward(strided)
-            except RuntimeError as err:
-                if "contiguous" not in str(err):
-                    raise
-                fail("06.1", "f's backward received a gradient that is not contiguous in memory "
-                     "(as one that comes through a transpose is) and the all-reduce refused it: "
-                     "all-reduce grad.contiguous() (a copy only when needed)")  # fmt: skip
-        if sum(bwd.calls.values()) != 1:
-            fail("06.1", f"f's backward issued {dict(bwd.calls) or 'no collective'}: it needs "
-                 "exactly one all-reduce of the input's gradient")  # fmt: skip
-        if xf.grad is None or not torch.allclose(xf.grad, want, atol=1e-12):
-            fail("06.1", f"rank {r}: f's backward must return the sum over ranks of the gradient "
-                 "each rank received (each holds only the part that flows through its own "
-                 "output features)")  # fmt: skip
-        # g: all-reduce of the partial sums forward, identity backward, input untouched
-        xg = parts[r].clone().requires_grad_()
-        before = xg.detach().clone()
-        with OnlyCommunication("06.1", ("allreduce_", "all_reduce"), REDUCE_ONLY) as fwd:
-            y = reduce_cls.apply(xg)
-        if sum(fwd.calls.values()) != 1:
-            fail("06.1", f"g's forward issued {dict(fwd.calls) or 'no collective'}: it needs "
-                 "exactly one all-reduce of the partial sums")  # fmt: skip
-        if not torch.equal(xg.detach(), before):
-            fail("06.1", "g changed its input in place: all-reduce works in place, and autograd may "
-                 "have saved that tensor for the backward of the layer before; reduce a copy")  # fmt: skip
-        if not torch.allclose(y.detach(), sum(parts), atol=1e-12):
-            fail("06.1", f"rank {r}: g's forward must return the sum of every rank's partial sums")
-        with OnlyCommunication("06.1", ("allreduce_", "all_reduce"), REDUCE_ONLY) as bwd:
-            y.backward(upstream.clone())
-        if bwd.calls:
-            fail("06.1", f"g's backward communicated ({dict(bwd.calls)}): dL/dY is already the "
-                 "same on every rank, so g's backward is the identity")  # fmt: skip
-        if xg.grad is None or not torch.allclose(xg.grad, upstream, atol=1e-12):
-            fail("06.1", f"rank {r}: g's backward must pass the gradient through unchanged")
-        # both around a column-then-row MLP, against one process
-        d_in, hidden = 4, 6 * t
-        w1 = torch.randn(hidden, d_in, generator=g, dtype=torch.float64).to(ctx.device)
-        w2 = torch.randn(d_in, hidden, generator=g, dtype=torch.float64).to(ctx.device)
-        xm = x.clone().requires_grad_()
-        ref = F.linear(F.gelu(F.linear(xm, w1)), w2)
-        ref.backward(upstream.clone())
-        w1_r = w1.chunk(t, 0)[r].clone().requires_grad_()
-        w2_r = w2.chunk(t, 1)[r].clone().requires_grad_()
-        xs = x.clone().requires_grad_()
-        out = reduce_cls.apply(F.linear(F.gelu(F.linear(copy_cls.apply(xs), w1_r)), w2_r))
-        out.backward(upstream.clone())
-        for what, a, b in (
-            ("output", out.detach(), ref.detach()),
-            ("input gradient", xs.grad, xm.grad),
-        ):
-            if a is None or not torch.allclose(a, b, atol=1e-10):
-                fail("06.1", f"rank {r}: a column-then-row MLP built with your f and g gives the "
-                     f"wrong {what}")  # fmt: skip
+        _judge_f(copy_cls, x, grads, r)
+        _judge_g(reduce_cls, parts, upstream, r)
+        _judge_column_row_mlp(ctx, copy_cls, reduce_cls, x, upstream, g)
     dist.barrier()
     return True
 

@@ -3,6 +3,8 @@ gathers, frees and reduce-scatters."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -59,9 +61,9 @@ def check_shard_bounds(shard_bounds) -> None:
 PACKAGE_STAGE1 = "write the collectives yourself, without course_utils.zero"
 
 
-def _stage1_worker(ctx, zero1_step, steps: int = 3):
-    from ..zero import stage1
-
+def _stage1_models(ctx):
+    """The reference model, and the same model (seed 0) whose parameters are views into one flat
+    buffer padded to n shards; this rank's shard is a Parameter over its slice of it."""
     n, r = ctx.world_size, ctx.rank
     torch.manual_seed(0)
     reference = ToyMLP().to(ctx.device, torch.float64)
@@ -74,6 +76,68 @@ def _stage1_worker(ctx, zero1_step, steps: int = 3):
         p.data = view
     lo, hi = bucket.shard_range(r)
     shard = nn.Parameter(flat_params[lo:hi])
+    return reference, model, params, bucket, flat_params, shard
+
+
+def _judge_stage1_traffic(where, r, opt, shard, counts, sent, params, flat_grads) -> None:
+    """The optimizer stepped this rank's shard, and each gradient was reduced once and each updated
+    shard sent once (Ψ bytes each, plus padding), with no all-reduce."""
+    if not opt.state.get(shard):
+        fail("08.2", f"{where}, rank {r} did not step the optimizer it was given, which holds "
+             "this rank's shard and its state (1/n of a full optimizer's): put the shard's "
+             "gradient in shard.grad and call optimizer.step()")  # fmt: skip
+    psi = sum(p.numel() for p in params) * 8  # the gradients' bytes, unpadded
+    padded = flat_grads.numel() * 8
+    if counts.get("all_reduce"):
+        fail("08.2", f"{where}, rank {r} all-reduced the gradients: every rank then receives all "
+             "of them, though it updates only its shard. Reduce-scatter them (each rank gets "
+             "the sum of its own shard), or reduce each shard to its owner")  # fmt: skip
+    reduced = sent.get("reduce_scatter", 0) + sent.get("reduce", 0)
+    if not psi <= reduced <= padded:
+        fail("08.2", f"{where}, rank {r} handed {reduced:,} bytes of gradients to "
+             f"reduce-scatter/reduce ({counts or 'no collective'}): stage 1 reduces each "
+             f"gradient once, {psi:,} bytes (Ψ, plus padding), so that each rank gets the sum "
+             "of its own shard")  # fmt: skip
+    spread = sent.get("all_gather", 0) + sent.get("broadcast", 0)
+    if not psi <= spread <= padded:
+        fail("08.2", f"{where}, rank {r} gathered or broadcast {spread:,} bytes "
+             f"({counts or 'no collective'}): after the step the other ranks' shards are "
+             f"stale; every rank's updated shard must reach every rank once, {psi:,} bytes "
+             "(Ψ, plus padding) in all: all-gather them into flat_params")  # fmt: skip
+
+
+def _judge_stage1_params(where, r, n, step, params, reference, before, stale) -> None:
+    """This rank's parameters equal one process's; when not, a hint from how far they moved."""
+    err = max_abs_diff(zip(params, reference.parameters()))
+    if not err <= 1e-12:  # a NaN fails too
+        moved = sum((p - b).abs().sum().item() for p, b in zip(params, before))
+        want = sum((q - b).abs().sum().item() for q, b in zip(reference.parameters(), before))
+        if step == 1 and moved == 0:
+            hint = (
+                "no parameter moved: put your gradient shard in shard.grad and step the optimizer"
+            )
+        elif step == 1 and abs(moved / want - n) < 1e-6:
+            hint = f"the update is {n}× too large: did you divide by n (the mean, not the sum)?"
+        elif stale:
+            hint = ("after your call flat_params holds other ranks' shards that differ from "
+                    "those shards after the step: all-gather the shards after "
+                    "optimizer.step(), so that every rank receives the updated ones")  # fmt: skip
+        else:
+            hint = ("rank r's shard is flat[r·S:(r+1)·S], S = len(flat) / n: the reduce-scatter's "
+                    "output, divided by n, is its gradient")  # fmt: skip
+        fail(
+            "08.2",
+            f"{where}, rank {r}'s parameters differ from one process by {err:.2g}: {hint}",
+        )
+
+
+def _stage1_worker(ctx, zero1_step, steps: int = 3):
+    """One rank of check 08.2: ``steps`` steps of ``zero1_step`` on its own data, each against one
+    process on the global batch, with its collectives counted."""
+    from ..zero import stage1
+
+    n, r = ctx.world_size, ctx.rank
+    reference, model, params, bucket, flat_params, shard = _stage1_models(ctx)
     opt = torch.optim.SGD([shard], lr=0.1, momentum=0.9)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     data = torch.Generator().manual_seed(7)
@@ -99,47 +163,8 @@ def _stage1_worker(ctx, zero1_step, steps: int = 3):
         fresh = torch.empty_like(flat_params)  # every rank's shard as it is now, after the step
         dist.all_gather_into_tensor(fresh, shard.detach())
         stale = not torch.equal(fresh, flat_params)
-        if not opt.state.get(shard):
-            fail("08.2", f"{where}, rank {r} did not step the optimizer it was given, which holds "
-                 "this rank's shard and its state (1/n of a full optimizer's): put the shard's "
-                 "gradient in shard.grad and call optimizer.step()")  # fmt: skip
-        psi = sum(p.numel() for p in params) * 8  # the gradients' bytes, unpadded
-        padded = flat_grads.numel() * 8
-        if counts.get("all_reduce"):
-            fail("08.2", f"{where}, rank {r} all-reduced the gradients: every rank then receives all "
-                 "of them, though it updates only its shard. Reduce-scatter them (each rank gets "
-                 "the sum of its own shard), or reduce each shard to its owner")  # fmt: skip
-        reduced = sent.get("reduce_scatter", 0) + sent.get("reduce", 0)
-        if not psi <= reduced <= padded:
-            fail("08.2", f"{where}, rank {r} handed {reduced:,} bytes of gradients to "
-                 f"reduce-scatter/reduce ({counts or 'no collective'}): stage 1 reduces each "
-                 f"gradient once, {psi:,} bytes (Ψ, plus padding), so that each rank gets the sum "
-                 "of its own shard")  # fmt: skip
-        spread = sent.get("all_gather", 0) + sent.get("broadcast", 0)
-        if not psi <= spread <= padded:
-            fail("08.2", f"{where}, rank {r} gathered or broadcast {spread:,} bytes "
-                 f"({counts or 'no collective'}): after the step the other ranks' shards are "
-                 f"stale; every rank's updated shard must reach every rank once, {psi:,} bytes "
-                 "(Ψ, plus padding) in all: all-gather them into flat_params")  # fmt: skip
-        err = max_abs_diff(zip(params, reference.parameters()))
-        if not err <= 1e-12:  # a NaN fails too
-            moved = sum((p - b).abs().sum().item() for p, b in zip(params, before))
-            want = sum((q - b).abs().sum().item() for q, b in zip(reference.parameters(), before))
-            if step == 1 and moved == 0:
-                hint = "no parameter moved: put your gradient shard in shard.grad and step the optimizer"
-            elif step == 1 and abs(moved / want - n) < 1e-6:
-                hint = f"the update is {n}× too large: did you divide by n (the mean, not the sum)?"
-            elif stale:
-                hint = ("after your call flat_params holds other ranks' shards that differ from "
-                        "those shards after the step: all-gather the shards after "
-                        "optimizer.step(), so that every rank receives the updated ones")  # fmt: skip
-            else:
-                hint = ("rank r's shard is flat[r·S:(r+1)·S], S = len(flat) / n: the reduce-scatter's "
-                        "output, divided by n, is its gradient")  # fmt: skip
-            fail(
-                "08.2",
-                f"{where}, rank {r}'s parameters differ from one process by {err:.2g}: {hint}",
-            )
+        _judge_stage1_traffic(where, r, opt, shard, counts, sent, params, flat_grads)
+        _judge_stage1_params(where, r, n, step, params, reference, before, stale)
     dist.barrier()
     return True
 
@@ -220,97 +245,126 @@ class _Stage3Errors:
         return False
 
 
-def _stage3_worker(ctx, zero3_cls):
-    import contextlib
-
-    from ..zero import run as zero_run
+def _stage3_guard(r) -> contextlib.ExitStack:
+    """The package's stage 3 and torch's FSDP refused, and the two typical torch errors
+    translated into hints (that one exits first: it sees the student's errors raw)."""
     from ..zero import stage3
     from .common import refuse_calls
 
-    n, r = ctx.world_size, ctx.rank
     guard = contextlib.ExitStack()
     guard.enter_context(refuse_calls("08.3", [stage3.ShardedModel, stage3.Unit], PACKAGE_STAGE3))
     guard.enter_context(_no_fsdp())
     guard.enter_context(_Stage3Errors(r))  # exits first: sees the student's errors raw
-    with guard:
-        # memory and bytes, on the MLP: one unit gathered at a time, 3Ψ per step
-        torch.manual_seed(0)
-        model = ToyMLP().to(ctx.device, torch.float64)
-        units = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
-        unit_bytes = [sum(p.numel() * 8 for p in m.parameters(recurse=False)) for m in units]
-        z = zero3_cls(model, torch.optim.SGD, {"lr": 0.1})
-        peak, grad_peak = [0], [0]
+    return guard
 
-        def probe(*_):
-            peak[0] = max(peak[0], _held_bytes(model, z))
 
-        def probe_in_backward(module, args, out):  # runs when the output's gradient arrives
-            if out.requires_grad:
-                out.register_hook(lambda grad: (probe(), grad_probe(), None)[-1])
+def _watch_peaks(model, z, units) -> tuple[list[int], list[int]]:
+    """Hooks on every unit that record the most bytes of full parameters held at once (before each
+    forward and each backward) and the most units holding full gradients during backward."""
+    peak, grad_peak = [0], [0]
 
-        def grad_probe():  # before this unit's backward: earlier units' gradients are shards now
-            grad_peak[0] = max(grad_peak[0], _gradient_units(units))
+    def probe(*_):
+        peak[0] = max(peak[0], _held_bytes(model, z))
 
-        for m in units:  # registered after the student's hooks: they run after them
-            m.register_forward_pre_hook(lambda *a: probe())
-            m.register_forward_hook(probe_in_backward)
-        if _held_bytes(model, z):
-            fail("08.3", f"rank {r} holds {_held_bytes(model, z):,} bytes of full parameters right "
-                 "after building the class: between uses a rank keeps its shards only")  # fmt: skip
-        x = torch.randn(8, 16, dtype=torch.float64, device=ctx.device)
-        y = torch.randint(4, (8,), device=ctx.device)
-        with CollectiveCounter() as comm, no_store("08.3"):
-            nn.functional.cross_entropy(model(x), y).backward()
-            z.step()
-        slack = 8 * n * len(units)  # padding
-        if peak[0] > max(unit_bytes) + slack:
-            fail("08.3", f"rank {r} held {peak[0]:,} bytes of full parameters at once, more than "
-                 f"the largest unit ({max(unit_bytes):,}): free each unit right after its forward, "
-                 "and after its backward")  # fmt: skip
-        if grad_peak[0] > 1:
-            fail("08.3", f"rank {r} held the full gradients of {grad_peak[0]} layers at once "
-                 "during backward: once a unit's gradients are reduce-scattered into its shard, "
-                 "drop the full ones (p.grad = None), or stage 3 keeps DDP's gradient memory")  # fmt: skip
-        if _held_bytes(model, z):
-            fail("08.3", f"after the step rank {r} still holds {_held_bytes(model, z):,} bytes of "
-                 "full parameters: free each unit once its gradients are reduce-scattered")  # fmt: skip
-        psi_bytes = sum(unit_bytes)
-        got = {k: comm.bytes.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce")}
-        if got["all_reduce"]:
-            fail("08.3", "stage 3 needs no all-reduce: reduce-scatter each unit's gradients")
-        reduced = got["reduce_scatter"] + comm.bytes.get("reduce", 0)
-        if not psi_bytes <= reduced <= psi_bytes + slack:
-            fail("08.3", f"rank {r} reduce-scattered (or reduced) {reduced:,} bytes in a step; "
-                 f"each unit's gradients once ({psi_bytes:,} bytes, Ψ, plus padding)")  # fmt: skip
-        if not 2 * psi_bytes <= got["all_gather"] <= 2 * (psi_bytes + slack):
-            fail("08.3", f"rank {r} all-gathered {got['all_gather']:,} bytes in a step; each unit "
-                 f"once before its forward and once before its backward ({2 * psi_bytes:,}, 2Ψ)")  # fmt: skip
-        for model_name, opt in (("mlp", "adam"), ("tied", "adam"), ("frozen", "sgd")):
-            built = []
+    def probe_in_backward(module, args, out):  # runs when the output's gradient arrives
+        if out.requires_grad:
+            out.register_hook(lambda grad: (probe(), grad_probe(), None)[-1])
 
-            def method(model, optimizer_class, options, built=built):
-                z = zero3_cls(model, optimizer_class, options)
-                built.append((model, z))
-                return model, z, z.full_parameters
+    def grad_probe():  # before this unit's backward: earlier units' gradients are shards now
+        grad_peak[0] = max(grad_peak[0], _gradient_units(units))
 
-            out = zero_run.parity_worker(ctx, method, model=model_name, optimizer=opt, steps=3,
-                                         global_batch=12 * n)  # fmt: skip
-            worst = worst_of(out["diffs"])  # NaN if any is NaN
-            if not worst < 1e-12:
-                if _held_bytes(built[0][0], built[0][1]):
-                    hint = ("units were still gathered after the step, so the next forward found "
-                            "them present and ran on stale parameters: free each unit after its "
-                            "forward and after its backward")  # fmt: skip
-                elif out["diffs"][0] < 1e-12:
-                    hint = ("the first step equals one process and a later one does not: "
-                            "something your class counts or keeps from one step to the next is "
-                            "not reset (the gradients arrived per unit, a flag, a gradient left in "
-                            "place)")  # fmt: skip
-                else:
-                    hint = ("each unit's gradient shard is the reduce-scatter of its full "
-                            "gradients, divided by n; the optimizer steps the shards")  # fmt: skip
-                fail("08.3", f"{model_name} model, {opt}, {n} ranks: rank {r}'s parameters differ "
-                     f"from one process by {worst:.2g} after 3 steps: {hint}")  # fmt: skip
+    for m in units:  # registered after the student's hooks: they run after them
+        m.register_forward_pre_hook(lambda *a: probe())
+        m.register_forward_hook(probe_in_backward)
+    return peak, grad_peak
+
+
+def _judge_stage3_bytes(r, comm, unit_bytes, slack) -> None:
+    """One step's traffic: no all-reduce, Ψ reduce-scattered and 2Ψ all-gathered (plus padding)."""
+    psi_bytes = sum(unit_bytes)
+    got = {k: comm.bytes.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce")}
+    if got["all_reduce"]:
+        fail("08.3", "stage 3 needs no all-reduce: reduce-scatter each unit's gradients")
+    reduced = got["reduce_scatter"] + comm.bytes.get("reduce", 0)
+    if not psi_bytes <= reduced <= psi_bytes + slack:
+        fail("08.3", f"rank {r} reduce-scattered (or reduced) {reduced:,} bytes in a step; "
+             f"each unit's gradients once ({psi_bytes:,} bytes, Ψ, plus padding)")  # fmt: skip
+    if not 2 * psi_bytes <= got["all_gather"] <= 2 * (psi_bytes + slack):
+        fail("08.3", f"rank {r} all-gathered {got['all_gather']:,} bytes in a step; each unit "
+             f"once before its forward and once before its backward ({2 * psi_bytes:,}, 2Ψ)")  # fmt: skip
+
+
+def _stage3_memory_and_bytes(ctx, zero3_cls) -> None:
+    """On the MLP: one unit gathered at a time, full gradients dropped once reduce-scattered,
+    nothing held between steps, 3Ψ per step."""
+    n, r = ctx.world_size, ctx.rank
+    torch.manual_seed(0)
+    model = ToyMLP().to(ctx.device, torch.float64)
+    units = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    unit_bytes = [sum(p.numel() * 8 for p in m.parameters(recurse=False)) for m in units]
+    z = zero3_cls(model, torch.optim.SGD, {"lr": 0.1})
+    peak, grad_peak = _watch_peaks(model, z, units)
+    if _held_bytes(model, z):
+        fail("08.3", f"rank {r} holds {_held_bytes(model, z):,} bytes of full parameters right "
+             "after building the class: between uses a rank keeps its shards only")  # fmt: skip
+    x = torch.randn(8, 16, dtype=torch.float64, device=ctx.device)
+    y = torch.randint(4, (8,), device=ctx.device)
+    with CollectiveCounter() as comm, no_store("08.3"):
+        nn.functional.cross_entropy(model(x), y).backward()
+        z.step()
+    slack = 8 * n * len(units)  # padding
+    if peak[0] > max(unit_bytes) + slack:
+        fail("08.3", f"rank {r} held {peak[0]:,} bytes of full parameters at once, more than "
+             f"the largest unit ({max(unit_bytes):,}): free each unit right after its forward, "
+             "and after its backward")  # fmt: skip
+    if grad_peak[0] > 1:
+        fail("08.3", f"rank {r} held the full gradients of {grad_peak[0]} layers at once "
+             "during backward: once a unit's gradients are reduce-scattered into its shard, "
+             "drop the full ones (p.grad = None), or stage 3 keeps DDP's gradient memory")  # fmt: skip
+    if _held_bytes(model, z):
+        fail("08.3", f"after the step rank {r} still holds {_held_bytes(model, z):,} bytes of "
+             "full parameters: free each unit once its gradients are reduce-scattered")  # fmt: skip
+    _judge_stage3_bytes(r, comm, unit_bytes, slack)
+
+
+def _stage3_parity(ctx, zero3_cls) -> None:
+    """Three steps of the MLP, the tied and the frozen model, each equal to one process."""
+    from ..zero import run as zero_run
+
+    n, r = ctx.world_size, ctx.rank
+    for model_name, opt in (("mlp", "adam"), ("tied", "adam"), ("frozen", "sgd")):
+        built = []
+
+        def method(model, optimizer_class, options, built=built):
+            z = zero3_cls(model, optimizer_class, options)
+            built.append((model, z))
+            return model, z, z.full_parameters
+
+        out = zero_run.parity_worker(ctx, method, model=model_name, optimizer=opt, steps=3,
+                                     global_batch=12 * n)  # fmt: skip
+        worst = worst_of(out["diffs"])  # NaN if any is NaN
+        if not worst < 1e-12:
+            if _held_bytes(built[0][0], built[0][1]):
+                hint = ("units were still gathered after the step, so the next forward found "
+                        "them present and ran on stale parameters: free each unit after its "
+                        "forward and after its backward")  # fmt: skip
+            elif out["diffs"][0] < 1e-12:
+                hint = ("the first step equals one process and a later one does not: "
+                        "something your class counts or keeps from one step to the next is "
+                        "not reset (the gradients arrived per unit, a flag, a gradient left in "
+                        "place)")  # fmt: skip
+            else:
+                hint = ("each unit's gradient shard is the reduce-scatter of its full "
+                        "gradients, divided by n; the optimizer steps the shards")  # fmt: skip
+            fail("08.3", f"{model_name} model, {opt}, {n} ranks: rank {r}'s parameters differ "
+                 f"from one process by {worst:.2g} after 3 steps: {hint}")  # fmt: skip
+
+
+def _stage3_worker(ctx, zero3_cls):
+    """One rank of check 08.3: memory and traffic on the MLP, then parity on three models."""
+    with _stage3_guard(ctx.rank):
+        _stage3_memory_and_bytes(ctx, zero3_cls)
+        _stage3_parity(ctx, zero3_cls)
     dist.barrier()
     return True
 
