@@ -14,15 +14,226 @@ python -m course_utils copies --kind student|answers --out build/student
 python -m course_utils workspace --dir work [--kind student|answers]
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
+import functools
 import json
 import sys
+from collections.abc import Callable
 
 
-def main(argv: list[str] | None = None) -> int:
+def _report(args, run: Callable[[], dict], table: Callable[[dict], str], *, quiet=True) -> None:
+    """Run a benchmark and print its result: the JSON with ``--json``, else its table.
+
+    With ``quiet`` and ``--json``, stdout carries only the JSON: the notices printed while the
+    benchmark runs (launch's, for one) go to stderr."""
+    with contextlib.redirect_stdout(sys.stderr if quiet and args.json else sys.stdout):
+        result = run()
+    print(json.dumps(result, indent=2) if args.json else table(result))
+
+
+def _launch_args(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--world-size", type=int, default=4)
+    b.add_argument("--rounds", type=int, default=5)
+    b.add_argument("--later", type=int, default=5, help="later launches timed per fresh process")
+    b.add_argument("--json", action="store_true")
+
+
+def _launch_run(args) -> None:
+    from .bench import launch as bench_launch
+
+    run = functools.partial(bench_launch.run, args.world_size, args.rounds, args.later)
+    _report(args, run, bench_launch.table, quiet=False)
+
+
+def _collectives_args(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--world-size", type=int, default=2)
+    c.add_argument(
+        "--max-bytes", type=int, default=None, help="largest message (default: size preset's)"
+    )
+    c.add_argument("--iters", type=int, default=10)
+    c.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    c.add_argument("--json", action="store_true")
+
+
+def _collectives_run(args) -> None:
+    from .profiling import collectives
+
+    run = functools.partial(
+        collectives.run,
+        args.world_size,
+        args.max_bytes,
+        iters=args.iters,
+        backend=args.backend,
+        echo=False,
+    )
+    _report(args, run, collectives.table)
+
+
+def _ddp_args(dd: argparse.ArgumentParser) -> None:
+    dd.add_argument("--world-size", type=int, default=2)
+    dd.add_argument("--rounds", type=int, default=5)
+    dd.add_argument("--json", action="store_true")
+
+
+def _ddp_run(args) -> None:
+    from .bench import ddp as bench_ddp
+
+    _report(args, functools.partial(bench_ddp.run, args.world_size, args.rounds), bench_ddp.table)
+
+
+def _pipeline_args(pp: argparse.ArgumentParser) -> None:
+    pp.add_argument("--stages", type=int, default=2)
+    pp.add_argument("--global-batch", type=int, default=1024)
+    pp.add_argument("--rounds", type=int, default=5)
+    pp.add_argument("--json", action="store_true")
+
+
+def _pipeline_run(args) -> None:
+    from .bench import pipeline as bench_pipeline
+
+    run = functools.partial(bench_pipeline.run, args.stages, args.global_batch, rounds=args.rounds)
+    _report(args, run, bench_pipeline.table)
+
+
+def _world_sizes_args(default: list[int], metavar: str, rounds: int):
+    """The arguments of the benchmarks that sweep world sizes (tp, zero, cp, moe)."""
+
+    def add_arguments(b: argparse.ArgumentParser) -> None:
+        b.add_argument("--world-sizes", type=int, nargs="+", default=default, metavar=metavar)
+        b.add_argument("--rounds", type=int, default=rounds)
+        b.add_argument("--json", action="store_true")
+
+    return add_arguments
+
+
+def _tp_run(args) -> None:
+    from .bench import tp as bench_tp
+
+    _report(args, functools.partial(bench_tp.run, args.world_sizes, args.rounds), bench_tp.table)
+
+
+def _zero_run(args) -> None:
+    from .bench import zero as bench_zero
+
+    run = functools.partial(bench_zero.run, args.world_sizes, args.rounds)
+    _report(args, run, bench_zero.table)
+
+
+def _cp_run(args) -> None:
+    from .bench import cp as bench_cp
+
+    _report(args, functools.partial(bench_cp.run, args.world_sizes, args.rounds), bench_cp.table)
+
+
+def _moe_run(args) -> None:
+    from .bench import moe as bench_moe
+
+    run = functools.partial(bench_moe.run, args.world_sizes, args.rounds)
+    _report(args, run, bench_moe.table)
+
+
+def _threed_args(b3: argparse.ArgumentParser) -> None:
+    b3.add_argument("--rounds", type=int, default=1)
+    b3.add_argument(
+        "--tflops", type=float, default=None,
+        help="time under modelled compute at this many TFLOP/s per rank (communication real)",
+    )  # fmt: skip
+    b3.add_argument("--json", action="store_true")
+
+
+def _threed_run(args) -> None:
+    from .bench import threed as bench_3d
+
+    _report(args, functools.partial(bench_3d.run, args.rounds, tflops=args.tflops), bench_3d.table)
+
+
+def _modelled_args(bm: argparse.ArgumentParser) -> None:
+    bm.add_argument("--json", action="store_true")
+
+
+def _modelled_run(args) -> None:
+    from .bench import modelled as bench_modelled
+
+    _report(args, bench_modelled.run, bench_modelled.table)
+
+
+def _traces_args(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--ranks", type=int, default=8)
+    t.add_argument("--mb", type=float, default=50.0, help="size of each trace")
+    t.add_argument("--keep", default=None, help="folder to keep the generated traces in")
+    t.add_argument("--json", action="store_true")
+
+
+def _traces_run(args) -> None:
+    from .bench import traces as bench_traces
+
+    run = functools.partial(bench_traces.run, args.ranks, args.mb, args.keep)
+    _report(args, run, bench_traces.table, quiet=False)
+
+
+# name: (help, add_arguments, run); `bench --help` lists them in this order
+BENCHES: dict[str, tuple[str, Callable, Callable]] = {
+    "launch": ("launch overhead: launch vs raw spawn vs torchrun", _launch_args, _launch_run),
+    "collectives": (
+        "all_reduce, all_gather, ... : time, algbw, busbw per size",
+        _collectives_args,
+        _collectives_run,
+    ),
+    "ddp": ("from-scratch overlapped DDP vs torch DDP: step time and ratio", _ddp_args, _ddp_run),
+    "pipeline": (
+        "pipeline bubble vs theory, throughput vs m, 1F1B vs torch's",
+        _pipeline_args,
+        _pipeline_run,
+    ),
+    "tp": (
+        "from-scratch TP layer vs torch DTensor TP: step time, ratio, activation memory",
+        _world_sizes_args([1, 2, 4], "T", rounds=5),
+        _tp_run,
+    ),
+    "zero": (
+        "DDP, ZeRO-1/2/3 from scratch, ZeroRedundancyOptimizer, FSDP2: time, memory, bytes",
+        _world_sizes_args([2, 4], "N", rounds=3),
+        _zero_run,
+    ),
+    "3d": (
+        "every dp x pp x tp layout of 8 ranks: measured step time and memory vs the planner",
+        _threed_args,
+        _threed_run,
+    ),
+    "modelled": (
+        "bubble, overlap and straggler under modelled compute, against theory",
+        _modelled_args,
+        _modelled_run,
+    ),
+    "cp": (
+        "ring attention (contiguous, zig-zag) and Ulysses: step time, values sent",
+        _world_sizes_args([2, 4], "P", rounds=3),
+        _cp_run,
+    ),
+    "moe": (
+        "expert parallelism vs one process vs replicated experts: time, values, load",
+        _world_sizes_args([2, 4], "N", rounds=3),
+        _moe_run,
+    ),
+    "traces": (
+        "parse + analyse speed on 8 generated ~50 MB rank traces",
+        _traces_args,
+        _traces_run,
+    ),
+}
+
+
+def _add_bench_commands(sub) -> None:
+    """``bench <name>``: one subcommand per entry of ``BENCHES``."""
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench_cmd", required=True)
+    for name, (help_, add_arguments, _) in BENCHES.items():
+        add_arguments(bsub.add_parser(name, help=help_))
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand, in the order ``--help`` lists them."""
     parser = argparse.ArgumentParser(
         prog="python -m course_utils", description=__doc__.splitlines()[0]
     )
@@ -42,80 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "--datasets", nargs="*", default=None, help="cifar10 cifar100 fashionmnist (default: all)"
     )
 
-    p = sub.add_parser("bench", help="benchmarks")
-    bsub = p.add_subparsers(dest="bench_cmd", required=True)
-    b = bsub.add_parser("launch", help="launch overhead: launch vs raw spawn vs torchrun")
-    b.add_argument("--world-size", type=int, default=4)
-    b.add_argument("--rounds", type=int, default=5)
-    b.add_argument("--later", type=int, default=5, help="later launches timed per fresh process")
-    b.add_argument("--json", action="store_true")
-    c = bsub.add_parser(
-        "collectives", help="all_reduce, all_gather, ... : time, algbw, busbw per size"
-    )
-    c.add_argument("--world-size", type=int, default=2)
-    c.add_argument(
-        "--max-bytes", type=int, default=None, help="largest message (default: size preset's)"
-    )
-    c.add_argument("--iters", type=int, default=10)
-    c.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    c.add_argument("--json", action="store_true")
-    dd = bsub.add_parser(
-        "ddp", help="from-scratch overlapped DDP vs torch DDP: step time and ratio"
-    )
-    dd.add_argument("--world-size", type=int, default=2)
-    dd.add_argument("--rounds", type=int, default=5)
-    dd.add_argument("--json", action="store_true")
-    pp = bsub.add_parser(
-        "pipeline", help="pipeline bubble vs theory, throughput vs m, 1F1B vs torch's"
-    )
-    pp.add_argument("--stages", type=int, default=2)
-    pp.add_argument("--global-batch", type=int, default=1024)
-    pp.add_argument("--rounds", type=int, default=5)
-    pp.add_argument("--json", action="store_true")
-    tp = bsub.add_parser(
-        "tp", help="from-scratch TP layer vs torch DTensor TP: step time, ratio, activation memory"
-    )
-    tp.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4], metavar="T")
-    tp.add_argument("--rounds", type=int, default=5)
-    tp.add_argument("--json", action="store_true")
-    zb = bsub.add_parser(
-        "zero",
-        help="DDP, ZeRO-1/2/3 from scratch, ZeroRedundancyOptimizer, FSDP2: time, memory, bytes",
-    )
-    zb.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="N")
-    zb.add_argument("--rounds", type=int, default=3)
-    zb.add_argument("--json", action="store_true")
-    b3 = bsub.add_parser(
-        "3d",
-        help="every dp x pp x tp layout of 8 ranks: measured step time and memory vs the planner",
-    )
-    b3.add_argument("--rounds", type=int, default=1)
-    b3.add_argument(
-        "--tflops", type=float, default=None,
-        help="time under modelled compute at this many TFLOP/s per rank (communication real)",
-    )  # fmt: skip
-    b3.add_argument("--json", action="store_true")
-    bm = bsub.add_parser(
-        "modelled", help="bubble, overlap and straggler under modelled compute, against theory"
-    )
-    bm.add_argument("--json", action="store_true")
-    cpb = bsub.add_parser(
-        "cp", help="ring attention (contiguous, zig-zag) and Ulysses: step time, values sent"
-    )
-    cpb.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="P")
-    cpb.add_argument("--rounds", type=int, default=3)
-    cpb.add_argument("--json", action="store_true")
-    mb = bsub.add_parser(
-        "moe", help="expert parallelism vs one process vs replicated experts: time, values, load"
-    )
-    mb.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="N")
-    mb.add_argument("--rounds", type=int, default=3)
-    mb.add_argument("--json", action="store_true")
-    t = bsub.add_parser("traces", help="parse + analyse speed on 8 generated ~50 MB rank traces")
-    t.add_argument("--ranks", type=int, default=8)
-    t.add_argument("--mb", type=float, default=50.0, help="size of each trace")
-    t.add_argument("--keep", default=None, help="folder to keep the generated traces in")
-    t.add_argument("--json", action="store_true")
+    _add_bench_commands(sub)
 
     p = sub.add_parser(
         "preflight", help="instructor's check of a node: doctor, all_reduce, bench, notebooks"
@@ -144,87 +282,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="work")
     p.add_argument("--kind", choices=["student", "answers"], default="student")
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _data_download(args) -> int:
+    from .data import data_root, download
+
+    status = download(args.root, args.datasets)
+    for name, st in status.items():
+        print(f"{name}: {st}")
+    print(f"Point the course at it: export COURSE_DATA_DIR={data_root(args.root)}")
+    return 0 if all(s == "ok" for s in status.values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
     if args.cmd == "doctor":
         from . import doctor
 
         return doctor.main(as_json=args.json, run_checks=not args.no_checks)
     if args.cmd == "data":
-        from .data import data_root, download
-
-        status = download(args.root, args.datasets)
-        for name, st in status.items():
-            print(f"{name}: {st}")
-        print(f"Point the course at it: export COURSE_DATA_DIR={data_root(args.root)}")
-        return 0 if all(s == "ok" for s in status.values()) else 1
+        return _data_download(args)
     if args.cmd == "bench":
-        if args.bench_cmd == "launch":
-            from .bench import launch as bench_launch
-
-            result = bench_launch.run(args.world_size, args.rounds, args.later)
-            print(json.dumps(result, indent=2) if args.json else bench_launch.table(result))
-        elif args.bench_cmd == "collectives":
-            from .profiling import collectives
-
-            # with --json, stdout carries only the JSON: launch's notices go to stderr
-            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-                report = collectives.run(
-                    args.world_size,
-                    args.max_bytes,
-                    iters=args.iters,
-                    backend=args.backend,
-                    echo=False,
-                )
-            print(json.dumps(report, indent=2) if args.json else collectives.table(report))
-        elif args.bench_cmd == "ddp":
-            from .bench import ddp as bench_ddp
-
-            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-                result = bench_ddp.run(args.world_size, args.rounds)
-            print(json.dumps(result, indent=2) if args.json else bench_ddp.table(result))
-        elif args.bench_cmd == "pipeline":
-            from .bench import pipeline as bench_pipeline
-
-            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-                result = bench_pipeline.run(args.stages, args.global_batch, rounds=args.rounds)
-            print(json.dumps(result, indent=2) if args.json else bench_pipeline.table(result))
-        elif args.bench_cmd == "tp":
-            from .bench import tp as bench_tp
-
-            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-                result = bench_tp.run(args.world_sizes, args.rounds)
-            print(json.dumps(result, indent=2) if args.json else bench_tp.table(result))
-        elif args.bench_cmd == "zero":
-            from .bench import zero as bench_zero
-
-            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-                result = bench_zero.run(args.world_sizes, args.rounds)
-            print(json.dumps(result, indent=2) if args.json else bench_zero.table(result))
-        elif args.bench_cmd == "3d":
-            from .bench import threed as bench_3d
-
-            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-                result = bench_3d.run(args.rounds, tflops=args.tflops)
-            print(json.dumps(result, indent=2) if args.json else bench_3d.table(result))
-        elif args.bench_cmd == "modelled":
-            from .bench import modelled as bench_modelled
-
-            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-                result = bench_modelled.run()
-            print(json.dumps(result, indent=2) if args.json else bench_modelled.table(result))
-        elif args.bench_cmd in ("cp", "moe"):
-            from .bench import cp as bench_cp
-            from .bench import moe as bench_moe
-
-            mod = bench_cp if args.bench_cmd == "cp" else bench_moe
-            with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-                result = mod.run(args.world_sizes, args.rounds)
-            print(json.dumps(result, indent=2) if args.json else mod.table(result))
-        else:
-            from .bench import traces as bench_traces
-
-            result = bench_traces.run(args.ranks, args.mb, args.keep)
-            print(json.dumps(result, indent=2) if args.json else bench_traces.table(result))
+        BENCHES[args.bench_cmd][2](args)
         return 0
     if args.cmd == "preflight":
         from . import preflight

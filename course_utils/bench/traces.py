@@ -31,101 +31,95 @@ OPS = [
 ]
 
 
+def _thread_names(pid: int, main: int, gloo: int) -> list[dict]:
+    """The metadata events that name the training thread and the gloo thread."""
+    return [
+        {
+            "ph": "M",
+            "name": "thread_name",
+            "pid": pid,
+            "tid": tid,
+            "args": {"name": f"thread {tid} ({label})"},
+        }
+        for tid, label in ((main, "python"), (gloo, "pt_gloo_runloop"))
+    ]
+
+
+def _annotation(name: str, pid: int, tid: int, ts: float, dur: float, args=None) -> dict:
+    """A ``user_annotation`` event (a ``record_function`` range or a gloo collective)."""
+    event = {
+        "ph": "X",
+        "cat": "user_annotation",
+        "name": name,
+        "pid": pid,
+        "tid": tid,
+        "ts": ts,
+        "dur": dur,
+    }
+    if args is not None:
+        event["args"] = args
+    return event
+
+
+def _cpu_op(name: str, pid: int, tid: int, ts: float, dur: float, eid: int) -> dict:
+    """An ``aten::`` operator event with the input shapes a profiled ``mm`` records."""
+    return {
+        "ph": "X",
+        "cat": "cpu_op",
+        "name": name,
+        "pid": pid,
+        "tid": tid,
+        "ts": round(ts, 3),
+        "dur": round(dur, 3),
+        "args": {
+            "External id": eid,
+            "Record function id": 0,
+            "Ev Idx": eid,
+            "Input Dims": [[64, 256], [256, 256]],
+            "Input type": ["float", "float"],
+        },
+    }
+
+
+def _step_events(
+    rng: random.Random, pid: int, main: int, gloo: int, step: int, ts: float, eid: int
+) -> tuple[list[dict], float, int]:
+    """One ``ProfilerStep#step`` starting at ``ts``: data loading, 2000 operators with an
+    all-reduce on the gloo thread after about 2% of them, the optimizer step.
+
+    Returns the events, the time after the step and the last external id used."""
+    step_start = ts
+    ops = [_annotation("data", pid, main, ts, 500.0)]
+    ts += 500.0
+    for _ in range(2000):
+        dur = rng.uniform(2, 40)
+        eid += 1
+        ops.append(_cpu_op(rng.choice(OPS), pid, main, ts, dur, eid))
+        if rng.random() < 0.02:
+            comm_dur = round(rng.uniform(50, 400), 3)
+            comm = _annotation(
+                "gloo:all_reduce", pid, gloo, round(ts, 3), comm_dur, {"External id": eid}
+            )
+            ops.append(comm)
+        ts += dur + 1.0
+    ops.append(_annotation("Optimizer.step#SGD.step", pid, main, round(ts, 3), 300.0))
+    ts += 400.0
+    ops.append(
+        _annotation(f"ProfilerStep#{step}", pid, main, step_start, round(ts - step_start, 3))
+    )
+    return ops, ts, eid
+
+
 def write_trace(path: Path, rank: int, world_size: int, target_mb: float, seed: int = 0) -> int:
     """Write one synthetic rank trace of about ``target_mb`` MB; return its size in bytes."""
     rng = random.Random(seed * 1000 + rank)
     pid, main, gloo = 1000 + rank, 1000 + rank, 2000 + rank
-    events = [
-        {
-            "ph": "M",
-            "name": "thread_name",
-            "pid": pid,
-            "tid": main,
-            "args": {"name": f"thread {main} (python)"},
-        },
-        {
-            "ph": "M",
-            "name": "thread_name",
-            "pid": pid,
-            "tid": gloo,
-            "args": {"name": f"thread {gloo} (pt_gloo_runloop)"},
-        },
-    ]
+    events = _thread_names(pid, main, gloo)
     ts, step, size, eid = 0.0, 0, 0, 0
-    target = target_mb * 1e6
-    while size < target:
-        step_start, ops = ts, []
-        ops.append(
-            {
-                "ph": "X",
-                "cat": "user_annotation",
-                "name": "data",
-                "pid": pid,
-                "tid": main,
-                "ts": ts,
-                "dur": 500.0,
-            }
-        )
-        ts += 500.0
-        for _ in range(2000):
-            dur = rng.uniform(2, 40)
-            eid += 1
-            ops.append(
-                {
-                    "ph": "X",
-                    "cat": "cpu_op",
-                    "name": rng.choice(OPS),
-                    "pid": pid,
-                    "tid": main,
-                    "ts": round(ts, 3),
-                    "dur": round(dur, 3),
-                    "args": {
-                        "External id": eid,
-                        "Record function id": 0,
-                        "Ev Idx": eid,
-                        "Input Dims": [[64, 256], [256, 256]],
-                        "Input type": ["float", "float"],
-                    },
-                }
-            )
-            if rng.random() < 0.02:
-                ops.append(
-                    {
-                        "ph": "X",
-                        "cat": "user_annotation",
-                        "name": "gloo:all_reduce",
-                        "pid": pid,
-                        "tid": gloo,
-                        "ts": round(ts, 3),
-                        "dur": round(rng.uniform(50, 400), 3),
-                        "args": {"External id": eid},
-                    }
-                )
-            ts += dur + 1.0
-        ops.append(
-            {
-                "ph": "X",
-                "cat": "user_annotation",
-                "name": "Optimizer.step#SGD.step",
-                "pid": pid,
-                "tid": main,
-                "ts": round(ts, 3),
-                "dur": 300.0,
-            }
-        )
-        ts += 400.0
-        ops.append(
-            {
-                "ph": "X",
-                "cat": "user_annotation",
-                "name": f"ProfilerStep#{step}",
-                "pid": pid,
-                "tid": main,
-                "ts": step_start,
-                "dur": round(ts - step_start, 3),
-            }
-        )
+    while size < target_mb * 1e6:
+        ops, ts, eid = _step_events(rng, pid, main, gloo, step, ts, eid)
         events += ops
+        # the size is estimated from the step's first 20 events, not by serialising them all
         size += sum(len(json.dumps(e)) for e in ops[:20]) * len(ops) / 20
         step += 1
     data = {

@@ -130,26 +130,44 @@ def _rank_of(path: Path, data: _Doc) -> tuple[int, str]:
     )
 
 
-def load_trace(path: str | os.PathLike) -> Trace:
-    """Parse one trace file (``.json`` or ``.json.gz``)."""
-    path = Path(path)
-    data = _read(path)
-    rank, source = _rank_of(path, data)
-    thread_names = {}
+@dataclass
+class _Columns:
+    """The kept events of one trace, as lists in file order, with the lookup tables built on the
+    way: ``names`` and ``lanes`` map a name and a ``(kind, pid, tid)`` lane to its index."""
+
+    thread_names: dict[tuple, str]
+    names: dict[str, int]
+    lanes: dict[tuple, int]
+    lane_gpu: list[bool]
+    annotation: list[bool]
+    name_id: list[int]
+    lane: list[int]
+    start: list[float]
+    dur: list[float]
+
+
+def _remember_thread_name(e: _Event, thread_names: dict[tuple, str]) -> None:
+    """Record a ``thread_name`` metadata event's label; a later "(python)" label does not
+    replace an earlier one (keeps "pt_gloo_runloop")."""
+    name = (msgspec.json.decode(e.args) or {}).get("name", "")
+    key = (e.pid, e.tid)
+    if key not in thread_names or not name.endswith("(python)"):
+        thread_names[key] = name
+
+
+def _collect_events(path: Path, events: list[_Event]) -> _Columns:
+    """Keep the CPU and GPU complete events as columns and the thread names; raise
+    :class:`TraceError` when no event is kept."""
+    thread_names: dict[tuple, str] = {}
     names: dict[str, int] = {}
     lanes: dict[tuple, int] = {}
     lane_gpu: list[bool] = []
     annotation: list[bool] = []
     name_id, lane, start, dur = [], [], [], []
-    for e in data.traceEvents:
+    for e in events:
         if e.ph != "X":
             if e.ph == "M" and e.name == "thread_name":
-                name = (msgspec.json.decode(e.args) or {}).get("name", "")
-                key = (e.pid, e.tid)
-                if key not in thread_names or not name.endswith(
-                    "(python)"
-                ):  # keep "pt_gloo_runloop"
-                    thread_names[key] = name
+                _remember_thread_name(e, thread_names)
             continue
         gpu = e.cat in GPU_CATS
         if not gpu and e.cat not in CPU_CATS:
@@ -172,33 +190,61 @@ def load_trace(path: str | os.PathLike) -> Trace:
             f"{path}: the trace has no CPU or GPU events: was anything run inside the "
             "profiled steps (ctx.step() called at the end of each step)?"
         )
-    name_list = list(names)
-    name_id_a = np.asarray(name_id, dtype=np.int32)
-    lane_a = np.asarray(lane, dtype=np.int32)
-    start_a = np.asarray(start, dtype=np.float64)
-    end_a = start_a + np.asarray(dur, dtype=np.float64)
-    lane_labels = []
+    return _Columns(thread_names, names, lanes, lane_gpu, annotation, name_id, lane, start, dur)
+
+
+def _lane_labels(lanes: dict[tuple, int], thread_names: dict[tuple, str]) -> list[str]:
+    """One label per lane, in lane order: the thread's name, or ``"GPU <pid> stream <tid>"``."""
+    labels = []
     for (kind, pid, tid), _ in sorted(lanes.items(), key=lambda kv: kv[1]):
-        lane_labels.append(
+        labels.append(
             f"GPU {pid} stream {tid}"
             if kind == "gpu"
             else thread_names.get((pid, tid), f"thread {tid}")
         )
+    return labels
+
+
+def _steps_and_main_lane(
+    names: dict[str, int],
+    name_id: np.ndarray,
+    lane: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    lane_gpu: list[bool],
+) -> tuple[list[tuple[int, float, float]], int]:
+    """The ``ProfilerStep#N`` windows, sorted, and the lane that holds most of them; without
+    them, the whole trace as step -1 on the busiest CPU thread."""
     step_ids = {i: int(STEP.match(n).group(1)) for n, i in names.items() if STEP.match(n)}
-    steps, main_lane = [], 0
-    if step_ids:
-        is_step = np.isin(name_id_a, list(step_ids))
-        main_lane = int(np.bincount(lane_a[is_step]).argmax())
-        for idx in np.flatnonzero(is_step):
-            steps.append((step_ids[int(name_id_a[idx])], float(start_a[idx]), float(end_a[idx])))
-        steps.sort()
-    else:  # no ProfilerStep: the whole trace is one step, on the busiest CPU thread
-        cpu = ~np.asarray(lane_gpu)[lane_a]
-        main_lane = int(np.bincount(lane_a[cpu]).argmax()) if cpu.any() else 0
-        steps = [(-1, float(start_a.min()), float(end_a.max()))]
+    if not step_ids:
+        cpu = ~np.asarray(lane_gpu)[lane]
+        main_lane = int(np.bincount(lane[cpu]).argmax()) if cpu.any() else 0
+        return [(-1, float(start.min()), float(end.max()))], main_lane
+    is_step = np.isin(name_id, list(step_ids))
+    main_lane = int(np.bincount(lane[is_step]).argmax())
+    steps = []
+    for idx in np.flatnonzero(is_step):
+        steps.append((step_ids[int(name_id[idx])], float(start[idx]), float(end[idx])))
+    steps.sort()
+    return steps, main_lane
+
+
+def load_trace(path: str | os.PathLike) -> Trace:
+    """Parse one trace file (``.json`` or ``.json.gz``)."""
+    path = Path(path)
+    data = _read(path)
+    rank, source = _rank_of(path, data)
+    cols = _collect_events(path, data.traceEvents)
+    name_id_a = np.asarray(cols.name_id, dtype=np.int32)
+    lane_a = np.asarray(cols.lane, dtype=np.int32)
+    start_a = np.asarray(cols.start, dtype=np.float64)
+    end_a = start_a + np.asarray(cols.dur, dtype=np.float64)
+    steps, main_lane = _steps_and_main_lane(
+        cols.names, name_id_a, lane_a, start_a, end_a, cols.lane_gpu
+    )
     markers = []
-    if MARKER in names:
-        markers = sorted(end_a[name_id_a == names[MARKER]].tolist())
+    if MARKER in cols.names:
+        markers = sorted(end_a[name_id_a == cols.names[MARKER]].tolist())
     info = data.distributedInfo or {}
     return Trace(
         path=path,
@@ -206,10 +252,10 @@ def load_trace(path: str | os.PathLike) -> Trace:
         rank_source=source,
         world_size=info.get("world_size"),
         host=data.host_name,
-        names=name_list,
-        name_is_annotation=np.asarray(annotation, dtype=bool),
-        lanes=lane_labels,
-        lane_is_gpu=np.asarray(lane_gpu, dtype=bool),
+        names=list(cols.names),
+        name_is_annotation=np.asarray(cols.annotation, dtype=bool),
+        lanes=_lane_labels(cols.lanes, cols.thread_names),
+        lane_is_gpu=np.asarray(cols.lane_gpu, dtype=bool),
         main_lane=main_lane,
         name_id=name_id_a,
         lane=lane_a,

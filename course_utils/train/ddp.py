@@ -92,8 +92,9 @@ def main(argv=None, strategy=None) -> dict:
         common.close(ctx)
 
 
-def train(ctx, args, size, strategy) -> dict:
-    folder = common.job_dir(ctx, args)
+def _load_data(ctx, args, size):
+    """(train set, test set, data folder): staged to ``--stage-to`` if asked, checked to be the
+    same on every rank."""
     data_dir = args.data_dir or os.environ.get(DATA_ENV)
     if args.stage_to:
         data_dir = common.stage_locally(ctx, data_dir, args.stage_to)
@@ -109,6 +110,12 @@ def train(ctx, args, size, strategy) -> dict:
     )
     common.same_data_everywhere(ctx, train_set)
     cdist.print0(f"data: {train_set!r}")
+    return train_set, test_set, data_dir
+
+
+def _train_loader(ctx, args, size, train_set):
+    """(loader, its ``DistributedSampler``, per-rank batch size, pin memory): each rank loads
+    its ``1 / world_size`` share of every global batch."""
     if size.batch_size % ctx.world_size:
         raise SystemExit(
             f"the global batch {size.batch_size} of size '{size.name}' does not split over "
@@ -134,6 +141,71 @@ def train(ctx, args, size, strategy) -> dict:
         pin_memory=pin,
         persistent_workers=workers > 0,
     )
+    return loader, sampler, per_rank, pin
+
+
+def _resume(ctx, folder, strategy, net, model, opt, scaler):
+    """(start epoch, step, losses) from the job's checkpoint, whose states are loaded into the
+    model, optimizer, scaler and random generators; ``(0, 0, [])`` without one."""
+    state = common.load_checkpoint(folder, ctx.device)
+    if state is None:
+        return 0, 0, []
+    if state.get("strategy", "ddp") != strategy.name:
+        raise SystemExit(
+            f"{folder / common.CHECKPOINT} was written by the {state['strategy']} script, not "
+            f"{strategy.name}: give this job its own --job-dir"
+        )
+    strategy.load(net, model, opt, state["model"], state["optimizer"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    start_epoch, step, losses = state["epoch"], state["step"], list(state["losses"])
+    common.restore_rng(ctx, state.get("rng"))
+    cdist.print0(f"resumed from {folder / common.CHECKPOINT}: epoch {start_epoch}, step {step}")
+    return start_epoch, step, losses
+
+
+def _train_step(ctx, model, opt, autocast, scaler, x, y, pin: bool) -> torch.Tensor:
+    """One optimizer step on this rank's batch, through the gradient scaler when there is one;
+    return this rank's loss (the strategy's model communicates inside forward and backward)."""
+    x = x.to(ctx.device, non_blocking=pin)
+    y = y.to(ctx.device, non_blocking=pin)
+    with autocast():
+        loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+    return loss
+
+
+def _save_epoch(ctx, folder, strategy, net, model, opt, scaler, epoch, step, losses) -> None:
+    """Checkpoint after ``epoch``: everything a later run with this ``--job-dir`` resumes from."""
+    model_state, opt_state = strategy.state(net, model, opt)
+    common.save_checkpoint(
+        ctx,
+        folder,
+        {
+            "strategy": strategy.name,
+            "model": model_state,
+            "optimizer": opt_state,
+            "scaler": scaler.state_dict() if scaler is not None else {},
+            "epoch": epoch + 1,
+            "step": step,
+            "losses": losses,
+            "rng": common.gather_rng(ctx),  # augmentation and shuffles continue exactly
+        },
+    )
+
+
+def train(ctx, args, size, strategy) -> dict:
+    """Train, checkpoint every epoch, evaluate; return (and write) the run's result."""
+    folder = common.job_dir(ctx, args)
+    train_set, test_set, data_dir = _load_data(ctx, args, size)
+    loader, sampler, per_rank, pin = _train_loader(ctx, args, size, train_set)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts)
     net = SmallResNet(
         num_classes=train_set.num_classes, width=size.width, in_channels=train_set.shape[0]
@@ -141,21 +213,7 @@ def train(ctx, args, size, strategy) -> dict:
     model, opt = strategy.build(net, ctx, args)
     autocast, scaler, amp_dtype = amp_setup(ctx.device, args.amp)
     epochs = args.epochs or size.epochs
-
-    start_epoch, step, losses = 0, 0, []
-    state = common.load_checkpoint(folder, ctx.device)
-    if state is not None:
-        if state.get("strategy", "ddp") != strategy.name:
-            raise SystemExit(
-                f"{folder / common.CHECKPOINT} was written by the {state['strategy']} script, not "
-                f"{strategy.name}: give this job its own --job-dir"
-            )
-        strategy.load(net, model, opt, state["model"], state["optimizer"])
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        start_epoch, step, losses = state["epoch"], state["step"], list(state["losses"])
-        common.restore_rng(ctx, state.get("rng"))
-        cdist.print0(f"resumed from {folder / common.CHECKPOINT}: epoch {start_epoch}, step {step}")
+    start_epoch, step, losses = _resume(ctx, folder, strategy, net, model, opt, scaler)
 
     metrics = common.Metrics(ctx, folder, after_step=step)
     total = epochs * len(loader)
@@ -164,18 +222,7 @@ def train(ctx, args, size, strategy) -> dict:
         for epoch in range(start_epoch, epochs):
             sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
             for x, y in loader:
-                x = x.to(ctx.device, non_blocking=pin)
-                y = y.to(ctx.device, non_blocking=pin)
-                with autocast():
-                    loss = nn.functional.cross_entropy(model(x), y)
-                opt.zero_grad(set_to_none=True)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    opt.step()
+                loss = _train_step(ctx, model, opt, autocast, scaler, x, y, pin)
                 step += 1
                 losses.append(common.global_mean(loss, ctx))
                 metrics.log(step=step, epoch=epoch, loss=losses[-1])
@@ -183,21 +230,7 @@ def train(ctx, args, size, strategy) -> dict:
                 ctx.step(total=total)
                 if args.max_steps and step >= args.max_steps:
                     break
-            model_state, opt_state = strategy.state(net, model, opt)
-            common.save_checkpoint(
-                ctx,
-                folder,
-                {
-                    "strategy": strategy.name,
-                    "model": model_state,
-                    "optimizer": opt_state,
-                    "scaler": scaler.state_dict() if scaler is not None else {},
-                    "epoch": epoch + 1,
-                    "step": step,
-                    "losses": losses,
-                    "rng": common.gather_rng(ctx),  # augmentation and shuffles continue exactly
-                },
-            )
+            _save_epoch(ctx, folder, strategy, net, model, opt, scaler, epoch, step, losses)
             cdist.print0(f"epoch {epoch}: step {step}, loss {losses[-1]:.4f}")
             if args.max_steps and step >= args.max_steps:
                 break
