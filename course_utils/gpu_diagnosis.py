@@ -30,16 +30,21 @@ import subprocess
 import warnings
 from dataclasses import dataclass, field
 
-INDEX = "https://download.pytorch.org/whl"
+from .launcher.gpus import (
+    OLD_GPU_INDEX,
+    OLD_NCCL_NOTE,
+    has_kernels,
+    parse_arch,
+)
+from .launcher.gpus import kernel_range as _archs
+from .launcher.gpus import setup_command as _setup
+from .launcher.placement import nccl_version
+
 # The oldest driver each CUDA major release runs on (NVIDIA's CUDA toolkit release notes; a build
 # for CUDA M.x runs on any driver for M.0 or newer, by CUDA's minor-version compatibility).
 MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 # The PyTorch index to use for a driver whose CUDA major release is the key.
 CUDA_INDEX = {11: "cu118", 12: "cu126", 13: "cu130"}
-# Since torch 2.11 only the CUDA 12.6 builds keep kernels for GPUs older than Turing (sm_75):
-# Volta's V100 (sm_70) and Pascal; the CUDA 12.8+ and 13.0 builds start at sm_75
-# (``torch.cuda.get_arch_list()`` of each build).
-OLD_GPU_INDEX = "cu126"
 # The first NCCL that runs several ranks of one communicator on one GPU (launcher/placement.py).
 SHARING_NCCL = (2, 30)
 
@@ -121,38 +126,6 @@ def _hidden(visible: dict[str, str]) -> str | None:
     return None
 
 
-# PyTorch's CUDA 11.8 builds stop before the pinned 2.14.1: name the last release that has them.
-INDEX_PINS = {"cu118": "torch==2.7.1 torchvision==0.22.1"}
-
-
-def parse_arch(arch: str) -> tuple[str, tuple[int, int]] | None:
-    """``"sm_75"`` → ``("sm", (7, 5))``, ``"compute_120"`` → ``("compute", (12, 0))``,
-    ``"sm_90a"`` → ``("sm", (9, 0))``; ``None`` for anything else (``gfx90a`` on ROCm)."""
-    m = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", arch)
-    return (m.group(1), (int(m.group(2)), int(m.group(3)))) if m else None
-
-
-def has_kernels(capability: tuple[int, int], arch_list: list[str]) -> bool:
-    """Whether a build with ``arch_list`` runs on a device of ``capability``: a cubin for
-    ``sm_XY`` runs on devices of the same major ``X`` and minor ``>= Y``; PTX for ``compute_XY``
-    is compiled at load for any device ``>= (X, Y)`` (CUDA's compatibility rules). An empty or
-    non-CUDA list (ROCm) is taken as yes: nothing to compare."""
-    parsed = [a for a in map(parse_arch, arch_list) if a]
-    if not parsed:
-        return True
-    for kind, (major, minor) in parsed:
-        if kind == "sm" and capability[0] == major and capability[1] >= minor:
-            return True
-        if kind == "compute" and tuple(capability) >= (major, minor):
-            return True
-    return False
-
-
-def _archs(arch_list: list[str]) -> str:
-    sms = sorted({v for k, v in filter(None, map(parse_arch, arch_list)) if k == "sm"})
-    return f"sm_{sms[0][0]}{sms[0][1]} to sm_{sms[-1][0]}{sms[-1][1]}" if sms else "none"
-
-
 def _nccl(v: tuple[int, ...] | None) -> str:
     return ".".join(map(str, v)) if v else "-"
 
@@ -179,100 +152,84 @@ def sharing_note(p: Probe, vendor: str) -> str | None:
     )
 
 
-OLD_NCCL_NOTE = (
-    "its bundled NCCL is older than 2.30, so ranks cannot share a GPU: with fewer GPUs than ranks, "
-    "multi-rank cells run as CPU ranks (gloo)"
-)
-
-
-def _setup(index: str) -> str:
-    pins = f' TORCH_PINS="{INDEX_PINS[index]}"' if index in INDEX_PINS else ""
-    return f"make setup TORCH_INDEX={INDEX}/{index}{pins}"
-
-
-def diagnose(p: Probe) -> Diagnosis:
-    nv = parse_nvidia_smi(p.nvidia_smi) if p.nvidia_smi and not p.nvidia_smi_failed else None
+def _node_gpus(p: Probe, nv: dict | None) -> tuple[str | None, int]:
+    """``(vendor, count)`` of the GPUs the tools and device files show; ``(None, 0)`` for none."""
     nv_nodes = [d for d in p.dev_nodes if re.fullmatch(r"/dev/nvidia\d+", d)]
     amd_gpus = parse_rocm_smi(p.rocm_smi) if p.rocm_smi else []
     amd = bool(amd_gpus) or "/dev/kfd" in p.dev_nodes
     # a failing nvidia-smi alone is no GPU: login nodes and CPU images often have the tool only
     nvidia = bool(nv and nv["gpus"]) or bool(nv_nodes)
     if not nvidia and not amd:
-        if p.cuda_available and p.device_count:  # a GPU no tool here can see: trust torch
-            return Diagnosis("amd" if p.torch_hip else "nvidia", p.device_count, True)
-        return Diagnosis(None, 0, False)
+        return None, 0
     vendor = "nvidia" if nvidia else "amd"
     count = (len(nv["gpus"]) if nv and nv["gpus"] else len(nv_nodes)) if nvidia else len(amd_gpus)
-    count = max(count, p.device_count, 1)
-    d = Diagnosis(vendor, count, False)
+    return vendor, max(count, p.device_count, 1)
 
-    hidden = _hidden(p.visible)
-    if hidden and not (p.cuda_available and p.device_count):
-        d.problem = f"{hidden}={p.visible[hidden]!r} hides every GPU from this process."
-        d.fix = f"unset {hidden}   (or set it to the GPUs this job was given, e.g. 0,1)"
-        return d
-    if p.cuda_available and p.device_count:
-        missing = [i for i, cap in enumerate(p.capabilities) if not has_kernels(cap, p.arch_list)]
-        if missing:
-            i = missing[0]
-            cap = p.capabilities[i]
-            name = p.gpu_names[i] if i < len(p.gpu_names) else f"GPU {i}"
-            d.problem = (
-                f"{name} (compute capability {cap[0]}.{cap[1]}, sm_{cap[0]}{cap[1]}): this torch "
-                f"{p.torch_version} has kernels for {_archs(p.arch_list)} only "
-                "(torch.cuda.get_arch_list()), so its first kernel would fail with 'no kernel "
-                "image is available for execution on the device'."
-            )
-            d.fix = (
-                _setup(OLD_GPU_INDEX)
-                + "   (torch's CUDA 12.6 builds still carry kernels for GPUs older than sm_75; "
-                + OLD_NCCL_NOTE
-                + ")"
-            )
-            return d
-        d.usable = True
-        note = sharing_note(p, vendor)
-        d.notes = [note] if note else []
-        return d
-    torch_build = (
-        f"CUDA {p.torch_cuda}" if p.torch_cuda else f"ROCm {p.torch_hip}" if p.torch_hip else "CPU"
-    )
-    if vendor == "nvidia":
-        driver_cuda = _major_minor(nv["cuda"]) if nv else None
-        index = CUDA_INDEX.get(driver_cuda[0], "cu126") if driver_cuda else "cu126"
-        if p.nvidia_smi_failed:  # device files, but the driver does not answer
-            said = (p.nvidia_smi or "").strip().splitlines()
-            d.problem = (
-                "the NVIDIA driver does not answer"
-                + (f" (nvidia-smi: {said[0]})" if said else "")
-                + (f"; torch says: {p.cuda_warning}" if p.cuda_warning else "")
-            )
-            d.fix = (
-                "not a course set-up problem: run on a node whose driver is loaded (on a "
-                "cluster, a GPU job: srun --gpus=1 ...), or ask the administrators"
-            )
-            return d
-        if p.torch_cuda is None:
-            kind = f"a ROCm (AMD) build, ROCm {p.torch_hip}" if p.torch_hip else "a CPU-only build"
-            d.problem = f"this torch {p.torch_version} is {kind}; it cannot drive NVIDIA GPUs."
-            d.fix = _setup(index)
-            return d
-        torch_cuda = _major_minor(p.torch_cuda)
-        if driver_cuda and torch_cuda and driver_cuda[0] < torch_cuda[0]:
-            d.problem = (
-                f"the driver {nv['driver']} supports CUDA up to {nv['cuda']}; this torch "
-                f"{p.torch_version} is built for CUDA {p.torch_cuda}, which needs a driver "
-                f">= {MIN_DRIVER.get(torch_cuda[0], 'newer')}."
-            )
-            d.fix = (
-                _setup(index) + "   (a torch built for the driver's CUDA; " + OLD_NCCL_NOTE + ")"
-            )
-            return d
-        d.problem = f"torch ({torch_build}) found no usable GPU" + (
-            f": {p.cuda_warning}" if p.cuda_warning else "."
+
+def _seen_by_torch(p: Probe, d: Diagnosis, vendor: str) -> Diagnosis:
+    """torch sees the GPUs: usable, unless this build has no kernels for one of them."""
+    missing = [i for i, cap in enumerate(p.capabilities) if not has_kernels(cap, p.arch_list)]
+    if missing:
+        i = missing[0]
+        cap = p.capabilities[i]
+        name = p.gpu_names[i] if i < len(p.gpu_names) else f"GPU {i}"
+        d.problem = (
+            f"{name} (compute capability {cap[0]}.{cap[1]}, sm_{cap[0]}{cap[1]}): this torch "
+            f"{p.torch_version} has kernels for {_archs(p.arch_list)} only "
+            "(torch.cuda.get_arch_list()), so its first kernel would fail with 'no kernel "
+            "image is available for execution on the device'."
+        )
+        d.fix = (
+            _setup(OLD_GPU_INDEX)
+            + "   (torch's CUDA 12.6 builds still carry kernels for GPUs older than sm_75; "
+            + OLD_NCCL_NOTE
+            + ")"
         )
         return d
-    # AMD
+    d.usable = True
+    note = sharing_note(p, vendor)
+    d.notes = [note] if note else []
+    return d
+
+
+def _nvidia_unusable(p: Probe, d: Diagnosis, nv: dict | None, torch_build: str) -> Diagnosis:
+    """NVIDIA GPUs torch does not see: no driver answering, a non-CUDA torch, a driver too old."""
+    driver_cuda = _major_minor(nv["cuda"]) if nv else None
+    index = CUDA_INDEX.get(driver_cuda[0], "cu126") if driver_cuda else "cu126"
+    if p.nvidia_smi_failed:  # device files, but the driver does not answer
+        said = (p.nvidia_smi or "").strip().splitlines()
+        d.problem = (
+            "the NVIDIA driver does not answer"
+            + (f" (nvidia-smi: {said[0]})" if said else "")
+            + (f"; torch says: {p.cuda_warning}" if p.cuda_warning else "")
+        )
+        d.fix = (
+            "not a course set-up problem: run on a node whose driver is loaded (on a "
+            "cluster, a GPU job: srun --gpus=1 ...), or ask the administrators"
+        )
+        return d
+    if p.torch_cuda is None:
+        kind = f"a ROCm (AMD) build, ROCm {p.torch_hip}" if p.torch_hip else "a CPU-only build"
+        d.problem = f"this torch {p.torch_version} is {kind}; it cannot drive NVIDIA GPUs."
+        d.fix = _setup(index)
+        return d
+    torch_cuda = _major_minor(p.torch_cuda)
+    if driver_cuda and torch_cuda and driver_cuda[0] < torch_cuda[0]:
+        d.problem = (
+            f"the driver {nv['driver']} supports CUDA up to {nv['cuda']}; this torch "
+            f"{p.torch_version} is built for CUDA {p.torch_cuda}, which needs a driver "
+            f">= {MIN_DRIVER.get(torch_cuda[0], 'newer')}."
+        )
+        d.fix = _setup(index) + "   (a torch built for the driver's CUDA; " + OLD_NCCL_NOTE + ")"
+        return d
+    d.problem = f"torch ({torch_build}) found no usable GPU" + (
+        f": {p.cuda_warning}" if p.cuda_warning else "."
+    )
+    return d
+
+
+def _amd_unusable(p: Probe, d: Diagnosis, torch_build: str) -> Diagnosis:
+    """AMD GPUs torch does not see: a non-ROCm torch, no access to /dev/kfd, a ROCm mismatch."""
     rocm = _major_minor(p.rocm_version)
     index = f"rocm{rocm[0]}.{rocm[1]}" if rocm else "rocmX.Y"
     fix = _setup(index) + (
@@ -303,6 +260,31 @@ def diagnose(p: Probe) -> Diagnosis:
         f": {p.cuda_warning}" if p.cuda_warning else "."
     )
     return d
+
+
+def diagnose(p: Probe) -> Diagnosis:
+    """The verdict on a node's GPUs, by the rules of this module's docstring, in their order."""
+    nv = parse_nvidia_smi(p.nvidia_smi) if p.nvidia_smi and not p.nvidia_smi_failed else None
+    vendor, count = _node_gpus(p, nv)
+    if vendor is None:
+        if p.cuda_available and p.device_count:  # a GPU no tool here can see: trust torch
+            return Diagnosis("amd" if p.torch_hip else "nvidia", p.device_count, True)
+        return Diagnosis(None, 0, False)
+    d = Diagnosis(vendor, count, False)
+
+    hidden = _hidden(p.visible)
+    if hidden and not (p.cuda_available and p.device_count):
+        d.problem = f"{hidden}={p.visible[hidden]!r} hides every GPU from this process."
+        d.fix = f"unset {hidden}   (or set it to the GPUs this job was given, e.g. 0,1)"
+        return d
+    if p.cuda_available and p.device_count:
+        return _seen_by_torch(p, d, vendor)
+    torch_build = (
+        f"CUDA {p.torch_cuda}" if p.torch_cuda else f"ROCm {p.torch_hip}" if p.torch_hip else "CPU"
+    )
+    if vendor == "nvidia":
+        return _nvidia_unusable(p, d, nv, torch_build)
+    return _amd_unusable(p, d, torch_build)
 
 
 def _run(cmd: list[str]) -> tuple[str | None, bool]:
@@ -343,8 +325,6 @@ def gather() -> Probe:
             arch_list = list(torch.cuda.get_arch_list())
         except Exception:  # a device torch cannot query: the rules below say why
             pass
-        from .launcher.placement import nccl_version
-
         nccl = nccl_version()
     nodes = sorted(glob.glob("/dev/nvidia[0-9]*")) + (
         ["/dev/kfd"] if os.path.exists("/dev/kfd") else []

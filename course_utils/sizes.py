@@ -5,9 +5,12 @@ laptop, ``gpu`` is the full course. ``COURSE_SIZE`` picks one; otherwise the siz
 follows where the ranks will run: ``gpu`` when ``launch`` would put them on GPUs
 (one each, or sharing GPUs through NCCL >= 2.30), ``cpu`` when they would run as CPU
 processes, whatever ``torch.cuda.is_available()`` says. Four CPU ranks with the
-``gpu`` preset's work (50,000 images, 256 MiB collectives) would look hung::
+``gpu`` preset's work (50,000 images, 256 MiB collectives) would look hung.
 
-    from course_utils.sizes import get_size
+This module is below the launcher: its choice takes the placement as an argument.
+:mod:`course_utils.launcher.sizing` plans the ranks and passes it::
+
+    from course_utils.launcher.sizing import get_size
     size = get_size()          # Size(name='cpu', ...)
     size = get_size(ranks=8)   # for a notebook that starts 8 ranks
 """
@@ -133,32 +136,41 @@ PRESETS: dict[str, Size] = {
 }
 
 
-def default_size_name(ranks: int | None = None) -> str:
-    """``$COURSE_SIZE`` if set; else ``gpu`` when ``ranks`` ranks of a plain ``launch`` would run
-    on GPUs, ``cpu`` when they would run on the CPU. ``ranks`` defaults to the ``gpu`` preset's
-    ``world_size``; a single-process notebook passes 1."""
-    return size_choice(ranks)[0]
+def default_size_name(ranks: int | None = None, placement=None) -> str:
+    """``$COURSE_SIZE`` if set; else ``gpu`` when ``placement`` (where ``ranks`` ranks of a plain
+    ``launch`` would run) is on GPUs, ``cpu`` when on the CPU. ``ranks`` defaults to the ``gpu``
+    preset's ``world_size``; a single-process notebook passes 1."""
+    return size_choice(ranks, placement)[0]
 
 
-def size_choice(ranks: int | None = None) -> tuple[str, str]:
+def size_choice(ranks: int | None = None, placement=None) -> tuple[str, str]:
     """``(size name, why)``: the size :func:`get_size` picks for a notebook of ``ranks`` ranks
-    (``None``: as many as the ``gpu`` preset starts)."""
+    (``None``: as many as the ``gpu`` preset starts).
+
+    ``placement``: what :func:`course_utils.launcher.placement.plan` decided for that many ranks
+    (anything with a ``device_type``); needed unless ``$COURSE_SIZE`` is set.
+    :mod:`course_utils.launcher.sizing` passes it for you.
+    """
     env = os.environ.get(SIZE_ENV)
     if env:
         return env, f"{SIZE_ENV}={env}"
-    from .launcher.placement import plan
-
+    if placement is None:
+        raise ValueError(
+            f"no {SIZE_ENV} set: pass placement=plan(ranks), or use course_utils.launcher.sizing, "
+            "which plans the ranks itself"
+        )
     n = ranks or PRESETS["gpu"].world_size
-    on_gpu = plan(n).device_type == "cuda"
+    on_gpu = placement.device_type == "cuda"
     if n == 1:
         return ("gpu", "training runs on a GPU") if on_gpu else ("cpu", "training runs on the CPU")
     who = f"the {n} ranks" if ranks else f"{n} ranks, as many as the 'gpu' size starts,"
     return ("gpu", f"{who} run on GPUs") if on_gpu else ("cpu", f"{who} would run on the CPU")
 
 
-def get_size(name: str | None = None, *, ranks: int | None = None) -> Size:
-    """The preset called ``name`` (default: :func:`default_size_name` for ``ranks`` ranks)."""
-    name = name or default_size_name(ranks)
+def get_size(name: str | None = None, *, ranks: int | None = None, placement=None) -> Size:
+    """The preset called ``name`` (default: :func:`default_size_name` for ``ranks`` ranks placed
+    at ``placement``)."""
+    name = name or default_size_name(ranks, placement)
     try:
         return PRESETS[name]
     except KeyError:
@@ -167,18 +179,11 @@ def get_size(name: str | None = None, *, ranks: int | None = None) -> Size:
         ) from None
 
 
-def hardware_line(ranks: int, size: Size | None = None, chosen_for: int | None = None) -> str:
-    """The notebooks' hardware line: where ``ranks`` ranks run and why, then the size and why.
-
-    ``chosen_for``: the ``ranks`` the notebook passed to :func:`get_size` (``None``: the default).
-    """
-    from .launcher.placement import plan
-
-    name, why = size_choice(chosen_for)
-    size = size or get_size(name)
-    chosen = (
+def size_line(size: Size, choice: tuple[str, str]) -> str:
+    """The size half of the notebooks' hardware line: ``choice`` is :func:`size_choice`'s answer."""
+    name, why = choice
+    return (
         f"size '{size.name}' ({why}; {SIZE_ENV}=ci|cpu|gpu to change)"
         if size.name == name
         else f"size '{size.name}' (chosen by the notebook)"
     )
-    return f"{plan(ranks).describe()}. {chosen}."

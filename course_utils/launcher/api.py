@@ -19,12 +19,12 @@ from typing import Any
 
 import cloudpickle
 
-from ..profiling.capture import ProfileConfig
 from . import devicecheck as _devicecheck
 from . import placement as _placement
 from . import procs as _procs
 from .context import cpu_threads_per_rank
 from .errors import LaunchInterrupted
+from .profiler import ProfileConfig
 from .progress import Progress
 from .rank import PAYLOAD, log_path, rank_main
 from .rundir import new_run_dir, write_json
@@ -193,31 +193,80 @@ def launch(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     where = _placement.plan(world_size, backend, device)
     _announce(where, backend, device)
-    backend, device_type = where.backend, where.device_type
     spec, name = build_spec(worker, kwargs, argv)
     if spec["kind"] == "script":
         init_process_group = False  # the script calls course_utils.dist.init() itself
-    try:
-        kwargs_blob = cloudpickle.dumps(kwargs)
-    except Exception as e:
-        raise TypeError(f"the keyword arguments for the worker cannot be pickled: {e}") from e
-    if profile is True:
-        profile = ProfileConfig()
-    elif profile is False:
-        profile = None
-    elif profile is not None and not isinstance(profile, ProfileConfig):
-        raise TypeError(
-            f"profile must be True, False, None or a ProfileConfig, got {type(profile).__name__}"
-        )
+    kwargs_blob = _pickled_kwargs(kwargs)
+    profile = _profile_config(profile)
     mp_ctx = _procs.get_context(start_method)
     run_dir = new_run_dir(name, runs_root)
-    payload = {
+    payload = _payload(
+        where, spec, cloudpickle.loads(kwargs_blob), init_process_group, timeout, extras, profile
+    )
+    payload["check_devices"] = where.device_type == "cpu" and _devicecheck.wanted(check_devices)
+    meta = _meta(name, where, mp_ctx)
+    t0 = time.perf_counter()
+    results = _run_ranks(mp_ctx, run_dir, payload, meta, timeout, echo, progress, t0)
+    return _result(results, run_dir, where, profile, t0)
+
+
+def _result(
+    results: dict, run_dir: Path, where: _placement.Placement, profile: ProfileConfig | None, t0
+) -> LaunchResult:
+    """The :class:`LaunchResult` of a run whose every rank succeeded."""
+    world_size = where.world_size
+    return LaunchResult(
+        traces=_collect_traces(run_dir, world_size, profile),
+        results=[results[r] for r in range(world_size)],
+        run_dir=run_dir,
+        world_size=world_size,
+        backend=where.backend,
+        device=where.device_type,
+        wall_time=time.perf_counter() - t0,
+        logs={r: log_path(run_dir, r, "out") for r in range(world_size)},
+    )
+
+
+def _pickled_kwargs(kwargs: dict) -> bytes:
+    """The worker's keywords, pickled now so that a value that cannot travel fails in the caller."""
+    try:
+        return cloudpickle.dumps(kwargs)
+    except Exception as e:
+        raise TypeError(f"the keyword arguments for the worker cannot be pickled: {e}") from e
+
+
+def _meta(name: str, where: _placement.Placement, mp_ctx) -> dict:
+    """The run's ``launch.json`` as it starts; the outcome is added when the ranks end."""
+    return {
+        "worker": name,
+        "world_size": where.world_size,
+        "backend": where.backend,
+        "device": where.device_type,
+        "gpus": list(where.gpus),
+        "start_method": mp_ctx.get_start_method(),
+        "started": time.time(),
+        "status": "running",
+    }
+
+
+def _payload(
+    where: _placement.Placement,
+    spec: dict,
+    kwargs: dict,
+    init_process_group: bool,
+    timeout: float,
+    extras: dict | None,
+    profile: ProfileConfig | None,
+) -> dict:
+    """What every rank reads from ``payload.pkl``: the worker, its keywords, where it runs."""
+    world_size = where.world_size
+    return {
         "spec": spec,
-        "kwargs": cloudpickle.loads(kwargs_blob),
+        "kwargs": kwargs,
         "world_size": world_size,
         "local_world_size": world_size,
-        "backend": backend,
-        "device_type": device_type,
+        "backend": where.backend,
+        "device_type": where.device_type,
         "gpus": list(where.gpus),
         "rank_env": where.rank_env(),
         "threads": cpu_threads_per_rank(world_size),
@@ -226,23 +275,59 @@ def launch(
         "pg_timeout": timeout + 60.0,
         "extras": extras or {},
         "profile": profile,
-        "check_devices": device_type == "cpu" and _devicecheck.wanted(check_devices),
     }
-    meta = {
-        "worker": name,
-        "world_size": world_size,
-        "backend": backend,
-        "device": device_type,
-        "gpus": list(where.gpus),
-        "start_method": mp_ctx.get_start_method(),
-        "started": time.time(),
-        "status": "running",
-    }
+
+
+def _profile_config(profile: bool | ProfileConfig | None) -> ProfileConfig | None:
+    """``launch``'s ``profile`` argument as a :class:`ProfileConfig`, or ``None`` for no profiling."""
+    if profile is True:
+        return ProfileConfig()
+    if profile is False:
+        return None
+    if profile is not None and not isinstance(profile, ProfileConfig):
+        raise TypeError(
+            f"profile must be True, False, None or a ProfileConfig, got {type(profile).__name__}"
+        )
+    return profile
+
+
+def _tails(run_dir: Path, world_size: int, echo: bool, shown: Progress) -> list[Tail]:
+    """Followers of each rank's stdout and stderr, echoing them as ``[rank r] ...`` when ``echo``."""
+    tails = []
+    for r in range(world_size):
+        prefix = f"[rank {r}] "
+        out, err = (sys.stdout, sys.stderr) if echo else (None, None)
+        tails.append(Tail(log_path(run_dir, r, "out"), prefix, out, None, shown.clear_line))
+        tails.append(Tail(log_path(run_dir, r, "err"), prefix, err, not_noise, shown.clear_line))
+    return tails
+
+
+def _start_ranks(
+    mp_ctx, procs: dict, run_dir: Path, world_size: int, env: dict, alive_r, listener
+) -> None:
+    """Start one process per rank into ``procs`` (filled as they start, so a failure midway
+    still stops those already running)."""
+    with _procs.no_main_reimport():
+        for r in range(world_size):
+            procs[r] = mp_ctx.Process(
+                target=rank_main,
+                args=(str(run_dir), r, env, alive_r, listener if r == 0 else None),
+                name=f"rank{r}",
+                daemon=False,
+            )
+            procs[r].start()
+
+
+def _run_ranks(
+    mp_ctx, run_dir: Path, payload: dict, meta: dict, timeout: float, echo: bool, progress, t0
+) -> dict[int, Any]:
+    """Start the ranks, supervise them to the end and stop every one, however it ends; records
+    the outcome in ``launch.json`` and returns each rank's value."""
+    world_size = payload["world_size"]
     # The environment travels to the ranks as a process argument (memory), never in payload.pkl.
     env = dict(os.environ)
     procs: dict = {}
     status = "failed"
-    t0 = time.perf_counter()
     with contextlib.ExitStack() as cleanup:
         listener = cleanup.enter_context(_procs.loopback_listener())  # rank 0 serves env:// on it
         alive_r, alive_w = mp_ctx.Pipe(
@@ -254,24 +339,9 @@ def launch(
         (run_dir / PAYLOAD).write_bytes(cloudpickle.dumps(payload))
         write_json(run_dir / "launch.json", meta)
         shown = Progress(run_dir, world_size, mode=None if progress is not False else "off")
-        tails = []
-        for r in range(world_size):
-            prefix = f"[rank {r}] "
-            out, err = (sys.stdout, sys.stderr) if echo else (None, None)
-            tails.append(Tail(log_path(run_dir, r, "out"), prefix, out, None, shown.clear_line))
-            tails.append(
-                Tail(log_path(run_dir, r, "err"), prefix, err, not_noise, shown.clear_line)
-            )
+        tails = _tails(run_dir, world_size, echo, shown)
         try:
-            with _procs.no_main_reimport():
-                for r in range(world_size):
-                    procs[r] = mp_ctx.Process(
-                        target=rank_main,
-                        args=(str(run_dir), r, env, alive_r, listener if r == 0 else None),
-                        name=f"rank{r}",
-                        daemon=False,
-                    )
-                    procs[r].start()
+            _start_ranks(mp_ctx, procs, run_dir, world_size, env, alive_r, listener)
             alive_r.close()  # the ranks hold their copies; the launcher keeps only the write end
             listener.close()
             results = supervise(procs, run_dir, timeout, tails, shown)
@@ -296,17 +366,7 @@ def launch(
                 exitcodes={r: p.exitcode for r, p in procs.items()},
             )
             write_json(run_dir / "launch.json", meta)
-    traces = _collect_traces(run_dir, world_size, profile)
-    return LaunchResult(
-        traces=traces,
-        results=[results[r] for r in range(world_size)],
-        run_dir=run_dir,
-        world_size=world_size,
-        backend=backend,
-        device=device_type,
-        wall_time=time.perf_counter() - t0,
-        logs={r: log_path(run_dir, r, "out") for r in range(world_size)},
-    )
+    return results
 
 
 __all__ = ["LaunchResult", "launch", "load_results", "resolve_backend", "read_record"]

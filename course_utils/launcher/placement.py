@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .gpus import refuse_without_kernels
+
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 SHARE_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
@@ -153,18 +155,7 @@ def plan(
     never placed on a GPU this torch has no kernels for (a V100 under the cu130 build): the error
     names the build that has them, before any process starts.
     """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"backend must be one of {BACKENDS}, got {backend!r} (mpi is not supported)"
-        )
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    if backend == "nccl" and device == "cpu":
-        raise ValueError(
-            "nccl only moves GPU tensors: use backend='gloo' (or 'auto') with device='cpu'"
-        )
+    _check_request(world_size, backend, device)
     env = os.environ if env is None else env
     if gpus is None:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -192,13 +183,41 @@ def plan(
         if (backend == "nccl" or nccl is not None)
         else "gloo"
     )
-    _refuse_without_kernels(gpus, capabilities, arch_list)
+    refuse_without_kernels(gpus, capabilities, arch_list)
     if gpus >= n:
         return Placement(
             n, use, "cuda", tuple(range(n)), f"{gpus} GPU{'s' if gpus > 1 else ''} visible", nccl
         )
+    return _share(n, use, gpus, nccl, env, rocm, wants_gpu)
 
-    # fewer GPUs than ranks: share them, if the backend can
+
+def _check_request(world_size: int, backend: str, device: str) -> None:
+    """A ``ValueError`` for arguments no node could satisfy."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"backend must be one of {BACKENDS}, got {backend!r} (mpi is not supported)"
+        )
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if backend == "nccl" and device == "cpu":
+        raise ValueError(
+            "nccl only moves GPU tensors: use backend='gloo' (or 'auto') with device='cpu'"
+        )
+
+
+def _share(
+    n: int,
+    use: str,
+    gpus: int,
+    nccl: tuple[int, int, int] | None,
+    env: Mapping[str, str],
+    rocm: bool,
+    wants_gpu: bool,
+) -> Placement:
+    """Fewer GPUs than ranks: share them round-robin where the backend can; else CPU ranks, or,
+    when the GPUs were asked for (``wants_gpu``), a ``ValueError`` that says what to change."""
     off = str(env.get(SHARE_ENV, "")).strip() == "0"
     too_old = use == "nccl" and (rocm or nccl is None or nccl < SHARING_NCCL)
     shared = Placement(
@@ -233,28 +252,8 @@ def plan(
             f"world_size={n} but only {gpus} GPU(s) are visible, and {why}: pass device='cpu' to "
             f"simulate {n} ranks with gloo, lower world_size to {gpus}, or {fix}."
         )
+    cpu = Placement(n, "gloo", "cpu", (), "", nccl)
     return _with(cpu, f"{gpus} GPU{'s' if gpus > 1 else ''} for {n} ranks, and {why}")
-
-
-def _refuse_without_kernels(gpus: int, capabilities, arch_list) -> None:
-    from ..gpu_diagnosis import OLD_GPU_INDEX, OLD_NCCL_NOTE, _archs, _setup, has_kernels
-
-    try:
-        if capabilities is None:
-            capabilities = [tuple(torch.cuda.get_device_capability(i)) for i in range(gpus)]
-        if arch_list is None:
-            arch_list = list(torch.cuda.get_arch_list())
-    except Exception:  # a device torch cannot query (or a node played by a test): launch says
-        return  # what the device says when a rank starts; `make doctor` explains
-    for i, cap in enumerate(capabilities[:gpus]):
-        if not has_kernels(tuple(cap), arch_list):
-            raise ValueError(
-                f"cuda:{i} has compute capability {cap[0]}.{cap[1]} (sm_{cap[0]}{cap[1]}), but "
-                f"this torch {torch.__version__} has kernels for {_archs(arch_list)} only: its "
-                "first kernel would fail with 'no kernel image is available'. Install the build "
-                f"that has them, `{_setup(OLD_GPU_INDEX)}` ({OLD_NCCL_NOTE}), or pass "
-                "device='cpu' to run the ranks as CPU processes now."
-            )
 
 
 def _with(p: Placement, reason: str) -> Placement:

@@ -58,7 +58,10 @@ import torch
 import torch.distributed as dist
 
 from .context import RankContext, StatusFile
+from .devicecheck import check_devices
 from .groups import kill_rest_of_my_group
+from .profiler import RankProfiler
+from .spec import resolve_ref
 
 PAYLOAD = "payload.pkl"
 STORE = "rendezvous"
@@ -172,8 +175,6 @@ def _call(spec: dict, ctx: RankContext, kwargs: dict):
         fn = cloudpickle.loads(spec["fn"])
         return fn(ctx, **kwargs)
     if kind == "ref":
-        from .spec import resolve_ref
-
         return resolve_ref(spec["ref"])(ctx, **kwargs)
     # a script, run as __main__ with its own argv
     sys.argv = [spec["path"], *spec["argv"]]
@@ -224,19 +225,8 @@ def _dumps_result(rank: int, record: dict) -> bytes:
         )
 
 
-def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
-    """Run one rank of the job stored in ``run_dir``; never returns.
-
-    ``env``: the launcher's environment (in memory only). ``alive``: the read end of the
-    launcher's liveness pipe. ``listener``: on rank 0, a socket bound to ``127.0.0.1:MASTER_PORT``.
-    """
-    os.setsid()  # first: everything this rank starts from now on is in its process group
-    run_dir = Path(run_dir)
-    status = StatusFile(run_dir / f"rank{rank}.status")  # for launch's progress display
-    status.write("starting")
-    _redirect_output(run_dir, rank)
-    _watch_launcher(alive)
-    payload = cloudpickle.loads((run_dir / PAYLOAD).read_bytes())
+def _set_environment(run_dir: Path, rank: int, env: dict, payload: dict) -> int:
+    """Step 3: the launcher's environment plus the rank's own variables; returns the local rank."""
     local_rank = rank % payload["local_world_size"]
     os.environ.clear()
     os.environ.update(env)
@@ -258,25 +248,33 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", payload["gloo_ifname"])
         if payload["device_type"] == "cuda":
             os.environ.setdefault("NCCL_SOCKET_IFNAME", payload["gloo_ifname"])
+    return local_rank
+
+
+def _prepare_process(run_dir: Path, rank: int, payload: dict):
+    """Steps 4 to 6: fork for children, SIGINT left to the launcher, stacks on SIGUSR1, threads.
+
+    Returns the stacks file, which must stay open as long as the rank lives."""
     if "fork" in multiprocessing.get_all_start_methods():
         multiprocessing.set_start_method("fork", force=True)  # see step 5 above
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when ranks stop
     stacks = open(stacks_path(run_dir, rank), "w")  # noqa: SIM115 - must outlive this frame
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     torch.set_num_threads(payload["threads"])
-    store = None  # rank 0's loopback TCPStore lives as long as the rank
-    if listener is not None:
-        if not payload["init_process_group"]:
-            store = _serve_loopback_store(listener, payload["master_port"], payload["pg_timeout"])
-        listener.close()
+    return stacks
 
+
+def _rank_context(
+    run_dir: Path, rank: int, local_rank: int, payload: dict, status: StatusFile
+) -> RankContext:
+    """The ``ctx`` the worker receives, on its GPU (round-robin when ranks share GPUs) or the CPU."""
     device = (
         torch.device("cuda", payload["gpus"][rank])  # round-robin when ranks share GPUs
         if payload["device_type"] == "cuda"
         else torch.device("cpu")
     )
     os.environ["COURSE_DEVICE"] = str(device)  # a script's course_utils.dist.init() uses it
-    ctx = RankContext(
+    return RankContext(
         rank=rank,
         world_size=payload["world_size"],
         local_rank=local_rank,
@@ -288,29 +286,29 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
         extras=dict(payload.get("extras", {})),
         status=status,
     )
-    ok = False
+
+
+def _run_worker(ctx: RankContext, payload: dict) -> tuple[dict, bool]:
+    """Steps 7 and 8: the process group, then the worker (device-checked, profiled when asked).
+
+    Returns the result record and whether the worker succeeded; every exception is recorded."""
     try:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if ctx.device.type == "cuda":
+            torch.cuda.set_device(ctx.device)
         if payload["init_process_group"]:
             _init_process_group(ctx, payload["pg_timeout"])
-        status.write("running")
+        ctx.status.write("running")
         checking = contextlib.nullcontext()
         if payload.get("check_devices"):
-            from .devicecheck import check_devices
-
-            checking = check_devices(rank, device)
+            checking = check_devices(ctx.rank, ctx.device)
         with checking:
             if payload.get("profile") is not None:
-                from ..profiling.capture import RankProfiler
-
-                with RankProfiler(payload["profile"], rank, run_dir, device) as profiler:
-                    ctx.on_step = profiler.step
+                with RankProfiler(payload["profile"], ctx.rank, ctx.run_dir, ctx.device) as prof:
+                    ctx.on_step = prof.step
                     value = _call(payload["spec"], ctx, payload["kwargs"])
             else:
                 value = _call(payload["spec"], ctx, payload["kwargs"])
-        record = {"ok": True, "value": value, "time": time.time()}
-        ok = True
+        return {"ok": True, "value": value, "time": time.time()}, True
     except BaseException as e:  # report everything, SystemExit included
         tb = _worker_traceback(e)
         print(tb, file=sys.stderr, end="")
@@ -321,12 +319,22 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
             "traceback": tb,
             "time": time.time(),
         }
+        return record, False
+
+
+def _save_result(run_dir: Path, rank: int, record: dict, ok: bool) -> bool:
+    """Write the record atomically; returns whether the rank succeeded (an unpicklable value is
+    a failure)."""
     blob = _dumps_result(rank, record)
     ok = ok and cloudpickle.loads(blob)["ok"]
     tmp = result_path(run_dir, rank).with_suffix(".tmp")
     tmp.write_bytes(blob)
     os.replace(tmp, result_path(run_dir, rank))
-    status.write("done" if ok else "failed")
+    return ok
+
+
+def _close_process_group(payload: dict, ok: bool) -> None:
+    """Step 10: destroy the group launch created; one the worker created is left to os._exit."""
     # A group the worker created itself (a script, init_process_group=False) is left to os._exit:
     # destroying it hung now and then on torch 2.6 with gloo, after all the work was done.
     if ok and payload["init_process_group"] and dist.is_available() and dist.is_initialized():
@@ -334,6 +342,34 @@ def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
             dist.destroy_process_group()
         except Exception as e:  # the result is safe; say it in the log only
             print(f"destroy_process_group failed after the result was saved: {e}", file=sys.stderr)
+
+
+def rank_main(run_dir: str, rank: int, env: dict, alive, listener=None) -> None:
+    """Run one rank of the job stored in ``run_dir``; never returns.
+
+    ``env``: the launcher's environment (in memory only). ``alive``: the read end of the
+    launcher's liveness pipe. ``listener``: on rank 0, a socket bound to ``127.0.0.1:MASTER_PORT``.
+    """
+    os.setsid()  # first: everything this rank starts from now on is in its process group
+    run_dir = Path(run_dir)
+    status = StatusFile(run_dir / f"rank{rank}.status")  # for launch's progress display
+    status.write("starting")
+    _redirect_output(run_dir, rank)
+    _watch_launcher(alive)
+    payload = cloudpickle.loads((run_dir / PAYLOAD).read_bytes())
+    local_rank = _set_environment(run_dir, rank, env, payload)
+    stacks = _prepare_process(run_dir, rank, payload)  # noqa: F841 - open while the rank lives
+    store = None  # rank 0's loopback TCPStore lives as long as the rank
+    if listener is not None:
+        if not payload["init_process_group"]:
+            store = _serve_loopback_store(listener, payload["master_port"], payload["pg_timeout"])
+        listener.close()
+
+    ctx = _rank_context(run_dir, rank, local_rank, payload, status)
+    record, ok = _run_worker(ctx, payload)
+    ok = _save_result(run_dir, rank, record, ok)
+    status.write("done" if ok else "failed")
+    _close_process_group(payload, ok)
     closed_path(run_dir, rank).touch()
     if store is not None and ok:
         _outlive_the_others(run_dir, payload["world_size"])

@@ -2,7 +2,8 @@
 
 Layers, each usable alone (HolisticTraceAnalysis-style):
 
-- :mod:`.capture`: ``ProfileConfig`` and the per-rank profiler session;
+- capture: ``ProfileConfig`` and the per-rank profiler session live in the launcher
+  (:mod:`course_utils.launcher.profiler`), which runs them; re-exported here;
 - :mod:`.trace`: read Kineto/Chrome traces (plain or .gz) into compact columns;
 - :mod:`.analysis`: classify time per rank and step, overlap, stragglers;
 - :mod:`.plots`: timelines and breakdown bars drawn from the analysis;
@@ -11,6 +12,6 @@ Layers, each usable alone (HolisticTraceAnalysis-style):
 Taught in notebook 04.
 """
 
-from .capture import ProfileConfig
+from ..launcher.profiler import ProfileConfig
 
 __all__ = ["ProfileConfig"]

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from course_utils.launcher.context import RankContext
-from course_utils.profiling.capture import ProfileConfig, RankProfiler
-from course_utils.sizes import PRESETS, get_size
+from course_utils.launcher.profiler import ProfileConfig, RankProfiler
+from course_utils.launcher.sizing import PRESETS, get_size
 
 CHECKPOINT = "checkpoint.pt"
 

@@ -1,4 +1,4 @@
-"""Capturing per-rank profiler traces from launched ranks.
+"""``launch(profile=...)``: a per-rank ``torch.profiler`` session around the worker.
 
 ``launch(worker, n, profile=ProfileConfig(active=3))`` gives every rank a
 ``torch.profiler`` session around the worker; the worker marks the end of
