@@ -169,7 +169,7 @@ def main(
 ) -> int:
     if size:
         os.environ["COURSE_SIZE"] = size  # inherited by every kernel
-    from .launcher.sizing import get_size
+    from .sizes import get_size
 
     notebooks = find_notebooks(only=only)
     if not notebooks:

@@ -30,7 +30,7 @@ from .gpu_diagnosis import Diagnosis, diagnose, gather
 from .launcher import launch
 from .launcher.placement import describe, plan
 from .launcher.rundir import runs_root
-from .launcher.sizing import get_size, size_choice
+from .sizes import get_size, size_choice
 
 
 def _gpus() -> list[dict]:

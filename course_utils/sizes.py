@@ -7,10 +7,11 @@ follows where the ranks will run: ``gpu`` when ``launch`` would put them on GPUs
 processes, whatever ``torch.cuda.is_available()`` says. Four CPU ranks with the
 ``gpu`` preset's work (50,000 images, 256 MiB collectives) would look hung.
 
-This module is below the launcher: its choice takes the placement as an argument.
-:mod:`course_utils.launcher.sizing` plans the ranks and passes it::
+This module is below the launcher and imports nothing from it: the size takes the placement as
+an argument, and without one it asks the planner the launcher registers when it is imported
+(:func:`use_placement`; ``import course_utils`` imports the launcher)::
 
-    from course_utils.launcher.sizing import get_size
+    from course_utils.sizes import get_size
     size = get_size()          # Size(name='cpu', ...)
     size = get_size(ranks=8)   # for a notebook that starts 8 ranks
 """
@@ -18,7 +19,9 @@ This module is below the launcher: its choice takes the placement as an argument
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 SIZE_ENV = "COURSE_SIZE"
 
@@ -136,31 +139,42 @@ PRESETS: dict[str, Size] = {
 }
 
 
+# Where a plain ``launch`` would put n ranks (course_utils.launcher.placement.plan): the launcher
+# registers it on import, so that this bottom layer never imports the launcher (issue 39).
+_placement_of: Callable[[int], Any] | None = None
+
+
+def use_placement(placement_of: Callable[[int], Any]) -> None:
+    """Register ``placement_of(ranks)``: where a plain ``launch`` of that many ranks would run
+    (anything with ``device_type`` and ``describe()``). The launcher calls it when imported."""
+    global _placement_of
+    _placement_of = placement_of
+
+
+def _placed(ranks: int, placement):
+    if placement is not None:
+        return placement
+    if _placement_of is None:  # only if this module were imported without its package
+        raise RuntimeError("no placement: import course_utils (its launcher registers one)")
+    return _placement_of(ranks)
+
+
 def default_size_name(ranks: int | None = None, placement=None) -> str:
-    """``$COURSE_SIZE`` if set; else ``gpu`` when ``placement`` (where ``ranks`` ranks of a plain
-    ``launch`` would run) is on GPUs, ``cpu`` when on the CPU. ``ranks`` defaults to the ``gpu``
-    preset's ``world_size``; a single-process notebook passes 1."""
+    """``$COURSE_SIZE`` if set; else ``gpu`` when ``ranks`` ranks of a plain ``launch`` would run
+    on GPUs, ``cpu`` when they would run on the CPU. ``ranks`` defaults to the ``gpu`` preset's
+    ``world_size``; a single-process notebook passes 1. ``placement``: where they would run
+    (default: the launcher's plan for them)."""
     return size_choice(ranks, placement)[0]
 
 
 def size_choice(ranks: int | None = None, placement=None) -> tuple[str, str]:
     """``(size name, why)``: the size :func:`get_size` picks for a notebook of ``ranks`` ranks
-    (``None``: as many as the ``gpu`` preset starts).
-
-    ``placement``: what :func:`course_utils.launcher.placement.plan` decided for that many ranks
-    (anything with a ``device_type``); needed unless ``$COURSE_SIZE`` is set.
-    :mod:`course_utils.launcher.sizing` passes it for you.
-    """
+    (``None``: as many as the ``gpu`` preset starts)."""
     env = os.environ.get(SIZE_ENV)
     if env:
         return env, f"{SIZE_ENV}={env}"
-    if placement is None:
-        raise ValueError(
-            f"no {SIZE_ENV} set: pass placement=plan(ranks), or use course_utils.launcher.sizing, "
-            "which plans the ranks itself"
-        )
     n = ranks or PRESETS["gpu"].world_size
-    on_gpu = placement.device_type == "cuda"
+    on_gpu = _placed(n, placement).device_type == "cuda"
     if n == 1:
         return ("gpu", "training runs on a GPU") if on_gpu else ("cpu", "training runs on the CPU")
     who = f"the {n} ranks" if ranks else f"{n} ranks, as many as the 'gpu' size starts,"
@@ -168,8 +182,7 @@ def size_choice(ranks: int | None = None, placement=None) -> tuple[str, str]:
 
 
 def get_size(name: str | None = None, *, ranks: int | None = None, placement=None) -> Size:
-    """The preset called ``name`` (default: :func:`default_size_name` for ``ranks`` ranks placed
-    at ``placement``)."""
+    """The preset called ``name`` (default: :func:`default_size_name` for ``ranks`` ranks)."""
     name = name or default_size_name(ranks, placement)
     try:
         return PRESETS[name]
@@ -177,6 +190,16 @@ def get_size(name: str | None = None, *, ranks: int | None = None, placement=Non
         raise ValueError(
             f"unknown size {name!r}: choose one of {sorted(PRESETS)} (env {SIZE_ENV})"
         ) from None
+
+
+def hardware_line(ranks: int, size: Size | None = None, chosen_for: int | None = None) -> str:
+    """The notebooks' hardware line: where ``ranks`` ranks run and why, then the size and why.
+
+    ``chosen_for``: the ``ranks`` the notebook passed to :func:`get_size` (``None``: the default).
+    """
+    choice = size_choice(chosen_for)
+    size = size or get_size(choice[0])
+    return f"{_placed(ranks, None).describe()}. {size_line(size, choice)}."
 
 
 def size_line(size: Size, choice: tuple[str, str]) -> str:

@@ -617,7 +617,6 @@ def step_throughput(out: Path) -> dict:
     from torch import nn
 
     from course_utils.compiling import compile_or_eager
-    from course_utils.launcher.sizing import get_size
     from course_utils.measure import (
         allocated_memory,
         compare,
@@ -628,6 +627,7 @@ def step_throughput(out: Path) -> dict:
     )
     from course_utils.models import SmallResNet
     from course_utils.precision import choose
+    from course_utils.sizes import get_size
 
     dry = _cfg().get("dry")
     device = _device()
@@ -748,9 +748,9 @@ def step_memory(out: Path) -> dict:
     import torch
     from torch import nn
 
-    from course_utils.launcher.sizing import get_size
     from course_utils.measure import allocated_memory, saved_activations
     from course_utils.models import Block, GPTConfig, SmallResNet
+    from course_utils.sizes import get_size
     from course_utils.tensor_parallel.measure import activation_bytes_per_layer, dropout_mask_bytes
     from course_utils.zero.memory import count_model_states
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from course_utils.launcher.sizing import PRESETS, Size, get_size
+from course_utils.sizes import PRESETS, Size, get_size
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from course_utils import dist as cdist
+from course_utils import sizes
 from course_utils.launcher import placement, resolve_backend
-from course_utils.launcher import sizing as sizes
 from course_utils.launcher.placement import SHARE_ENV, plan
 
 NEW, OLD = (2, 30, 7), (2, 27, 3)

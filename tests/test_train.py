@@ -165,7 +165,7 @@ def recording_worker(ctx, job, epochs=2):
 def test_every_epoch_reshuffles_and_every_rank_reads_its_own_shard(runs_root, tmp_path):
     """DistributedSampler.set_epoch: the order changes from epoch to epoch (the same on every rank),
     and within an epoch the ranks read disjoint shards that together cover the data."""
-    from course_utils.launcher.sizing import get_size
+    from course_utils.sizes import get_size
 
     ci = get_size("ci")
     res = launch(recording_worker, 2, job=str(tmp_path / "job"), echo=False, timeout=240)

@@ -117,7 +117,7 @@ def run(
 ) -> dict:
     """Benchmark ``ops`` on ``world_size`` ranks of the backend ``launch`` picks; rank 0's report."""
     from ..launcher import launch
-    from ..launcher.sizing import get_size
+    from ..sizes import get_size
 
     sizes = message_sizes(max_bytes or get_size().max_message_bytes)
     res = launch(

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from course_utils.launcher.context import RankContext
 from course_utils.launcher.profiler import ProfileConfig, RankProfiler
-from course_utils.launcher.sizing import PRESETS, get_size
+from course_utils.sizes import PRESETS, get_size
 
 CHECKPOINT = "checkpoint.pt"
 
