@@ -10,7 +10,8 @@ collectives on ``n`` ranks send ``n - 1`` (reduce-scatter, all-gather) or ``2(n 
     reduce-scatter:   (n-1)·α +  (n-1)/n · m/β     (m: the input buffer)
 
 Every step of a ring waits for the slowest link in it, so ``β`` is the slowest link's bandwidth.
-Small messages are latency-bound (the α term dominates), large ones bandwidth-bound.
+Small messages are latency-bound (the α term dominates), large ones bandwidth-bound. The message
+counts and byte factors come from :mod:`course_utils.comm.ledger`.
 
     python -c "from course_utils.comm_model import AlphaBeta; print(AlphaBeta(5e-6, 20e9).all_reduce(1e8, 8))"
 """
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from .comm.ledger import ring_factor, ring_steps
 
 
 @dataclass(frozen=True)
@@ -42,13 +45,20 @@ class AlphaBeta:
         """Seconds for one message of ``nbytes`` between two ranks."""
         return self.alpha + nbytes / self.beta
 
+    def ring(self, op: str, nbytes: float, n: int) -> float:
+        """Seconds for a ring ``op`` on ``n`` ranks whose buffer is ``nbytes``: the ledger's
+        messages in sequence, each paying ``alpha``, and its bytes per rank at ``beta``."""
+        if n == 1:
+            return 0.0
+        return ring_steps(op, n) * self.alpha + ring_factor(op, n) * nbytes / self.beta
+
     def all_reduce(self, nbytes: float, n: int) -> float:
         """Seconds for a ring all-reduce of ``nbytes`` on ``n`` ranks."""
-        return 0.0 if n == 1 else 2 * (n - 1) * self.alpha + 2 * (n - 1) / n * nbytes / self.beta
+        return self.ring("all_reduce", nbytes, n)
 
     def all_gather(self, nbytes: float, n: int) -> float:
         """Seconds for a ring all-gather whose gathered output is ``nbytes``."""
-        return 0.0 if n == 1 else (n - 1) * self.alpha + (n - 1) / n * nbytes / self.beta
+        return self.ring("all_gather", nbytes, n)
 
     def reduce_scatter(self, nbytes: float, n: int) -> float:
         """Seconds for a ring reduce-scatter of an ``nbytes`` input."""

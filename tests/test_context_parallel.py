@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from course_utils import launch
+from course_utils.comm import CollectiveCounter, ring_bytes
 from course_utils.context_parallel import (
     apply_cp,
     attention,
@@ -24,7 +25,6 @@ from course_utils.context_parallel.ring import ring_attention
 from course_utils.context_parallel.softmax import causal_block_attention
 from course_utils.context_parallel.ulysses import allgather_attention, ulysses_attention
 from course_utils.models import GPT, GPTConfig
-from course_utils.tensor_parallel.measure import CollectiveCounter, ring_bytes
 
 # make test-floor runs these on the oldest torch too: batch_isend_irecv and all_to_all_single under autograd
 pytestmark = [pytest.mark.floor]

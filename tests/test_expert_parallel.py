@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from course_utils import launch
+from course_utils.comm import CollectiveCounter
 from course_utils.expert_parallel import (
     MoE,
     MoEConfig,
@@ -20,7 +21,6 @@ from course_utils.expert_parallel import (
 )
 from course_utils.expert_parallel.router import capacity
 from course_utils.expert_parallel.run import ep_parity_worker
-from course_utils.tensor_parallel.measure import CollectiveCounter
 
 # make test-floor runs these on the oldest torch too: all_to_all_single with uneven splits (gloo's in the floor lacks the list form)
 pytestmark = [pytest.mark.floor]

@@ -34,8 +34,8 @@ METHODS = ("ring", "ring-zigzag", "ulysses")
 def step_worker(ctx, method: str, batch, heads, seq_len, head_dim, steps, warmup) -> dict:
     """Median seconds of one forward + backward of the attention core on this rank, and the values
     it sent in one (run under ``launch``)."""
+    from ..comm import CollectiveCounter, ring_bytes
     from ..context_parallel import attention, positions, ring_attention, ulysses_attention
-    from ..tensor_parallel.measure import CollectiveCounter, ring_bytes
 
     n = ctx.world_size
     torch.manual_seed(ctx.rank)

@@ -36,9 +36,8 @@ def step_worker(ctx, way: str, d_model, n_experts, top_k, ffn_mult, tokens, step
     """Median seconds per training step of the layer on this rank, values sent, rows per expert."""
     import torch.distributed as dist
 
+    from ..comm import AllToAllCounter, CollectiveCounter, ring_bytes
     from ..expert_parallel import MoE, MoEConfig, apply_ep
-    from ..expert_parallel.measure import AllToAllCounter
-    from ..tensor_parallel.measure import CollectiveCounter, ring_bytes
 
     n = ctx.world_size
     cfg = MoEConfig(d_model=d_model, n_experts=n_experts, top_k=top_k, ffn_mult=ffn_mult)

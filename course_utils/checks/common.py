@@ -8,7 +8,8 @@ import types
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..comm.counting import BOOKKEEPING, NAMESPACES, Call, CommunicationMode
 
 
 class ExerciseError(AssertionError):
@@ -48,14 +49,10 @@ def patched_methods(cls, replacements: dict):
                 setattr(cls, name, raw)
 
 
-C10D_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+C10D_NAMESPACES = NAMESPACES  # the dispatcher's namespaces of torch.distributed's ops
 
 
-# ops that move no data: waits, barriers, a functional collective's result wrapped for autograd
-BOOKKEEPING = ("wait_tensor", "barrier", "_wrap_tensor_autograd", "monitored_barrier_")
-
-
-class OnlyCommunication(TorchDispatchMode):
+class OnlyCommunication(CommunicationMode):
     """While the student's code runs, every communication op outside ``allowed`` fails the check,
     and the allowed ones are counted (``self.calls``: op name -> calls).
 
@@ -71,16 +68,12 @@ class OnlyCommunication(TorchDispatchMode):
         self.number, self.allowed, self.message = number, set(allowed), message
         self.calls: dict[str, int] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        namespace = getattr(func, "namespace", "")
-        if namespace in C10D_NAMESPACES:
-            name = func._schema.name.split("::")[-1]
-            if name in BOOKKEEPING:  # a wait, or a functional collective's result wrapped
-                return func(*args, **(kwargs or {}))
-            if name not in self.allowed:
-                fail(self.number, f"{self.message} ({namespace}.{name} was called)")
-            self.calls[name] = self.calls.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+    def before(self, call: Call) -> None:
+        if call.name in BOOKKEEPING:  # a wait, or a functional collective's result wrapped
+            return
+        if call.name not in self.allowed:
+            fail(self.number, f"{self.message} ({call.namespace}.{call.name} was called)")
+        self.calls[call.name] = self.calls.get(call.name, 0) + 1
 
 
 STORE_METHODS = ("set", "get", "add", "compare_set", "multi_set", "multi_get", "append",

@@ -8,8 +8,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..comm.counting import CommunicationMode
 from ..data_parallel import BucketedDDP
 from ..models import RankDependentMLP, TiedMLP, ToyMLP, UnusedParamMLP
 from .common import (
@@ -237,7 +237,7 @@ def _overlap_model(ctx, wrapper_cls, make_model, rank_dependent, steps):
     return True
 
 
-class _FunctionalAllReduces(TorchDispatchMode):
+class _FunctionalAllReduces(CommunicationMode):
     """All-reduces made with the functional collectives (funcol.all_reduce), logged as launches;
     their waits happen where the result is first used, which the check does not follow."""
 
@@ -245,12 +245,11 @@ class _FunctionalAllReduces(TorchDispatchMode):
         super().__init__()
         self.log, self.phase = log, phase
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if getattr(func, "namespace", "") == "_c10d_functional" and "all_reduce" in func.__name__:
-            numel = sum(t.numel() for t in (args[0] if isinstance(args[0], list) else [args[0]]))
+    def after(self, call, out) -> None:
+        if call.namespace == "_c10d_functional" and "all_reduce" in call.name:
+            first = call.args[0]
+            numel = sum(t.numel() for t in (first if isinstance(first, list) else [first]))
             self.log.append(("F", id(out), numel, self.phase["now"]))
-        return out
 
 
 def _judge_overlap(log, buckets, make_model, r, step):

@@ -3,11 +3,9 @@ mailbox that pairs a stage's sends with its next receive."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import random
 
-from ..pipeline import p2p
 from ..pipeline.partition import balanced_split, partition
 from ..pipeline.simulate import schedule_order
 from .common import fail, passed, refuse_calls
@@ -125,11 +123,6 @@ def check_balanced_split(balanced_split_fn) -> None:
 
 # ---- 05.3 the mailbox -------------------------------------------------------------------------
 
-PACKAGE_MAILBOX = (
-    "that is the package's own Mailbox (course_utils.pipeline.p2p), which the check compares "
-    "with: write the pairing of sends and receives yourself"
-)
-
 
 def check_mailbox(mailbox_cls, timeout: float = 60) -> None:
     """Exercise 05.3: ``Mailbox(group)`` with ``send``, ``recv``, ``flush`` and ``wait_all``, run
@@ -153,11 +146,3 @@ def check_mailbox(mailbox_cls, timeout: float = 60) -> None:
             ) from None
     passed("05.3", "GPipe and 1F1B on 2 and 3 stages equal to one process, every send batched "
            "with the next receive or a flush, and complete when wait_all returns")  # fmt: skip
-
-
-@contextlib.contextmanager
-def refusing_package_mailbox(mailbox_cls):
-    """While a rank runs the student's mailbox, the package's Mailbox (by name, subclassed or
-    delegated to) refuses."""
-    with refuse_calls("05.3", [p2p.Mailbox], PACKAGE_MAILBOX):
-        yield

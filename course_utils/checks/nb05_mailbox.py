@@ -13,15 +13,17 @@ What is watched, and why:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..comm.counting import CommunicationMode
 from ..measure import worst as worst_of
 from ..models import pipeline_mlp
+from ..pipeline import p2p
 from ..pipeline.run import pipeline_worker
-from .common import fail
-from .nb05 import refusing_package_mailbox
+from .common import fail, refuse_calls
 
 ALONE = (
     "a {op} went out on its own, outside batch_isend_irecv: on NCCL it blocks until the "
@@ -30,23 +32,35 @@ ALONE = (
 )
 
 
-class _Watch(TorchDispatchMode):
+PACKAGE_MAILBOX = (
+    "that is the package's own Mailbox (course_utils.pipeline.p2p), which the check compares "
+    "with: write the pairing of sends and receives yourself"
+)
+
+
+@contextlib.contextmanager
+def refusing_package_mailbox(mailbox_cls):
+    """While a rank runs the student's mailbox, the package's Mailbox (by name, subclassed or
+    delegated to) refuses."""
+    with refuse_calls("05.3", [p2p.Mailbox], PACKAGE_MAILBOX):
+        yield
+
+
+class _Watch(CommunicationMode):
     """Refuses point-to-point ops issued outside a batch, and any collective."""
 
     def __init__(self, state):
         super().__init__()
         self.state = state
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        namespace = getattr(func, "namespace", "")
-        if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
-            name = func._schema.name.split("::")[-1]
-            if name in ("send", "recv_", "recv_any_source_"):
-                if not self.state["in_batch"]:
-                    fail("05.3", ALONE.format(op="send" if name == "send" else "receive"))
-            elif name not in ("barrier",):
-                fail("05.3", f"a mailbox moves data point to point; {name} is a collective")
-        return func(*args, **(kwargs or {}))
+    def before(self, call) -> None:
+        if call.namespace not in ("c10d", "_c10d_functional", "c10d_functional"):
+            return
+        if call.name in ("send", "recv_", "recv_any_source_"):
+            if not self.state["in_batch"]:
+                fail("05.3", ALONE.format(op="send" if call.name == "send" else "receive"))
+        elif call.name not in ("barrier",):
+            fail("05.3", f"a mailbox moves data point to point; {call.name} is a collective")
 
 
 class _Work:

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm import CollectiveCounter
 from ..measure import max_abs_diff
 from ..measure import worst as worst_of
 from ..models import ToyMLP
-from ..tensor_parallel.measure import CollectiveCounter
 from ..zero import flat as zero_flat
 from .common import ExerciseError, fail, launch_check, no_store, passed, refuse_calls
 

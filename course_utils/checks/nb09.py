@@ -8,6 +8,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..comm.counting import CommunicationMode
 from ..context_parallel import comm, ring, softmax, ulysses
 from ..context_parallel.layout import positions, shard
 from .common import (
@@ -220,16 +221,20 @@ def _ring_cases(ctx, ring_forward, cases, group, members):
                  "block needs no further hop)")  # fmt: skip
 
 
+class _Sends(CommunicationMode):
+    """Appends the bytes of every point-to-point send to ``sent``."""
+
+    def __init__(self, sent: list):
+        super().__init__()
+        self.sent = sent
+
+    def before(self, call) -> None:
+        if call.namespace == "c10d" and call.name == "send":
+            self.sent.append(sum(t.numel() * t.element_size() for t in call.args[0]))
+
+
 def _count_sends(watch, sent):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Sends(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "namespace", "") == "c10d" and func._schema.name.endswith("::send"):
-                sent.append(sum(t.numel() * t.element_size() for t in args[0]))
-            return func(*args, **(kwargs or {}))
-
-    watch.enter_context(Sends())
+    watch.enter_context(_Sends(sent))
 
 
 def check_ring_forward(ring_forward) -> None:

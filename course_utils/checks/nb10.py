@@ -9,6 +9,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..comm.counting import CommunicationMode
 from ..expert_parallel import apply, comm, router
 from ..expert_parallel.layer import Expert
 from .common import OnlyCommunication, fail, launch_check, no_store, passed, refuse_calls
@@ -118,41 +119,101 @@ def check_route(route) -> None:
            "its gradient, on 6 routings")  # fmt: skip
 
 
+def _ep_experts(ctx, E, T, h):
+    """``E`` experts, the same on every rank (drawn from the case's seed)."""
+    g = torch.Generator().manual_seed(7 * E + T)
+    experts = [Expert(h, 2 * h).double() for _ in range(E)]
+    for e in experts:
+        for p in e.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+        e.to(ctx.device)
+    return experts
+
+
+def _ep_reference(ctx, experts, E, T, h, k, cf):
+    """The answer, on one process: every rank's tokens through the chosen experts (this rank's
+    experts get gradient from all of them). Returns this rank's tokens, upstream gradient,
+    routing, output and input gradient, and the rows this rank's experts get from every rank."""
+    n, r = ctx.world_size, ctx.rank
+    recv_rows = 0  # rows this rank's experts get from every rank
+    for s in range(n):
+        gx = torch.Generator().manual_seed(100 + s)  # each rank its own tokens
+        xw = torch.randn(T + s, h, generator=gx, dtype=torch.float64).to(ctx.device)
+        lg = torch.randn(T + s, E, generator=gx, dtype=torch.float64).to(ctx.device)
+        up_s = torch.randn(xw.shape, generator=gx, dtype=torch.float64).to(ctx.device)
+        lg[:, 0] -= 50.0  # expert 0 gets no token anywhere
+        if s == 0:
+            lg[:, E // n :] -= 50.0  # rank 0 sends nothing to the other ranks' experts
+        rt = router.route(lg, k, cf)
+        lo, hi = r * E // n, (r + 1) * E // n
+        recv_rows += int((rt.keep & (rt.experts >= lo) & (rt.experts < hi)).sum())
+        xw.requires_grad_()
+        out = torch.zeros_like(xw)
+        for t in range(len(xw)):
+            for j in range(k):
+                if rt.keep[t, j]:
+                    e = int(rt.experts[t, j])
+                    out[t] += rt.weights[t, j] * experts[e](xw[t : t + 1])[0]
+        out.backward(up_s)
+        if s == r:
+            x, up, routing, want, x_grad = xw.detach(), up_s, rt, out.detach(), xw.grad
+    return x, up, routing, want, x_grad, recv_rows
+
+
+def _ep_student(dispatch_combine, xs, up, routing, mine, E, where):
+    """The student's layer, forward and backward, with the package refused and only all-to-alls
+    allowed. Returns its output, the all-to-alls forward issued (op name -> calls) and the input
+    bytes of each."""
+    sizes = []
+    with contextlib.ExitStack() as watch:
+        watch.enter_context(
+            refuse_calls("10.2", [apply.dispatch_combine, comm.exchange_counts], PACKAGE_EP)
+        )
+        watch.enter_context(no_store("10.2"))
+        c = watch.enter_context(
+            OnlyCommunication(
+                "10.2",
+                ("alltoall_base_", "alltoall_", "all_to_all_single"),
+                "expert parallelism moves tokens and counts with all-to-alls only",
+            )  # fmt: skip
+        )
+        with contextlib.ExitStack() as forward:
+            _count_a2a(forward, sizes)
+            calls = dict(c.calls)
+            got = dispatch_combine(xs, routing, torch.nn.ModuleList(mine), E, None)
+            calls = {k_: v - calls.get(k_, 0) for k_, v in c.calls.items()}
+        if not isinstance(got, torch.Tensor) or got.shape != xs.shape:
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            fail("10.2", f"with {where}, return (T, h) = {tuple(xs.shape)}; got {shape}")
+        got.backward(up)
+    return got, calls, sizes
+
+
+def _judge_ep_values(where, r, got, want, xs, x_grad, mine, grads_want):
+    """The output, the tokens' gradient and this rank's experts' gradients against one process."""
+    err = float((got.detach() - want.detach()).abs().max())
+    if not err <= 1e-12:  # a NaN fails too
+        fail("10.2", f"with {where}, rank {r}'s output differs from one process by {err:.2g}: "
+             "each kept assignment's row goes to its expert's rank, comes back in the same "
+             "place, and is added to its token with its weight")  # fmt: skip
+    if xs.grad is None or not float((xs.grad - x_grad).abs().max()) <= 1e-12:
+        fail("10.2", f"with {where}, the tokens' gradient is wrong: use the package's "
+             "all_to_all, whose backward sends each row's gradient back")  # fmt: skip
+    for e, ws in zip(mine, grads_want):
+        for p, w in zip(e.parameters(), ws):
+            gp = torch.zeros_like(w) if p.grad is None else p.grad
+            if not float((gp - w).abs().max()) <= 1e-12:
+                fail("10.2", f"with {where}, rank {r}'s expert gradients differ: each local "
+                     "expert must run on the rows every rank sent it")  # fmt: skip
+
+
 def _ep_worker(ctx, dispatch_combine, cases):
     n, r = ctx.world_size, ctx.rank
     for E, T, h, k, cf in cases:
-        g = torch.Generator().manual_seed(7 * E + T)  # the same experts on every rank
-        experts = [Expert(h, 2 * h).double() for _ in range(E)]
-        for e in experts:
-            for p in e.parameters():
-                with torch.no_grad():
-                    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
-            e.to(ctx.device)
+        experts = _ep_experts(ctx, E, T, h)
         mine = experts[r * E // n : (r + 1) * E // n]
-        # the answer, on one process: every rank's tokens through the chosen experts (this
-        # rank's experts get gradient from all of them), this rank's output and input gradient
-        recv_rows = 0  # rows this rank's experts get from every rank
-        for s in range(n):
-            gx = torch.Generator().manual_seed(100 + s)  # each rank its own tokens
-            xw = torch.randn(T + s, h, generator=gx, dtype=torch.float64).to(ctx.device)
-            lg = torch.randn(T + s, E, generator=gx, dtype=torch.float64).to(ctx.device)
-            up_s = torch.randn(xw.shape, generator=gx, dtype=torch.float64).to(ctx.device)
-            lg[:, 0] -= 50.0  # expert 0 gets no token anywhere
-            if s == 0:
-                lg[:, E // n :] -= 50.0  # rank 0 sends nothing to the other ranks' experts
-            rt = router.route(lg, k, cf)
-            lo, hi = r * E // n, (r + 1) * E // n
-            recv_rows += int((rt.keep & (rt.experts >= lo) & (rt.experts < hi)).sum())
-            xw.requires_grad_()
-            out = torch.zeros_like(xw)
-            for t in range(len(xw)):
-                for j in range(k):
-                    if rt.keep[t, j]:
-                        e = int(rt.experts[t, j])
-                        out[t] += rt.weights[t, j] * experts[e](xw[t : t + 1])[0]
-            out.backward(up_s)
-            if s == r:
-                x, up, routing, want, x_grad = xw.detach(), up_s, rt, out.detach(), xw.grad
+        x, up, routing, want, x_grad, recv_rows = _ep_reference(ctx, experts, E, T, h, k, cf)
         grads_want = [
             [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in e.parameters()]
             for e in mine
@@ -161,43 +222,9 @@ def _ep_worker(ctx, dispatch_combine, cases):
             e.zero_grad()
         xs = x.clone().requires_grad_()
         rows = int(routing.keep.sum())
-        sizes = []
-        with contextlib.ExitStack() as watch:
-            watch.enter_context(
-                refuse_calls("10.2", [apply.dispatch_combine, comm.exchange_counts], PACKAGE_EP)
-            )
-            watch.enter_context(no_store("10.2"))
-            c = watch.enter_context(
-                OnlyCommunication(
-                    "10.2",
-                    ("alltoall_base_", "alltoall_", "all_to_all_single"),
-                    "expert parallelism moves tokens and counts with all-to-alls only",
-                )  # fmt: skip
-            )
-            with contextlib.ExitStack() as forward:
-                _count_a2a(forward, sizes)
-                calls = dict(c.calls)
-                got = dispatch_combine(xs, routing, torch.nn.ModuleList(mine), E, None)
-                calls = {k_: v - calls.get(k_, 0) for k_, v in c.calls.items()}
-            where = f"{n} ranks, E={E}, k={k}, capacity_factor={cf}"
-            if not isinstance(got, torch.Tensor) or got.shape != x.shape:
-                shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-                fail("10.2", f"with {where}, return (T, h) = {tuple(x.shape)}; got {shape}")
-            got.backward(up)
-        err = float((got.detach() - want.detach()).abs().max())
-        if not err <= 1e-12:  # a NaN fails too
-            fail("10.2", f"with {where}, rank {r}'s output differs from one process by {err:.2g}: "
-                 "each kept assignment's row goes to its expert's rank, comes back in the same "
-                 "place, and is added to its token with its weight")  # fmt: skip
-        if xs.grad is None or not float((xs.grad - x_grad).abs().max()) <= 1e-12:
-            fail("10.2", f"with {where}, the tokens' gradient is wrong: use the package's "
-                 "all_to_all, whose backward sends each row's gradient back")  # fmt: skip
-        for e, ws in zip(mine, grads_want):
-            for p, w in zip(e.parameters(), ws):
-                gp = torch.zeros_like(w) if p.grad is None else p.grad
-                if not float((gp - w).abs().max()) <= 1e-12:
-                    fail("10.2", f"with {where}, rank {r}'s expert gradients differ: each local "
-                         "expert must run on the rows every rank sent it")  # fmt: skip
+        where = f"{n} ranks, E={E}, k={k}, capacity_factor={cf}"
+        got, calls, sizes = _ep_student(dispatch_combine, xs, up, routing, mine, E, where)
+        _judge_ep_values(where, r, got, want, xs, x_grad, mine, grads_want)
         per_row = h * x.element_size()
         if sum(calls.values()) != 3 or sizes[1:] != [rows * per_row, recv_rows * per_row]:
             fail("10.2", f"with {where}, rank {r} issued {sum(calls.values())} all-to-alls "
@@ -208,18 +235,22 @@ def _ep_worker(ctx, dispatch_combine, cases):
     return True
 
 
+class _AllToAllSizes(CommunicationMode):
+    """Appends the input bytes of every all-to-all to ``sizes``."""
+
+    def __init__(self, sizes: list):
+        super().__init__()
+        self.sizes = sizes
+
+    def before(self, call) -> None:
+        name, args = call.name, call.args
+        if name in ("alltoall_base_", "alltoall_", "all_to_all_single"):
+            x = {"alltoall_base_": [args[1]], "alltoall_": list(args[1])}.get(name, [args[0]])
+            self.sizes.append(sum(t.numel() * t.element_size() for t in x))
+
+
 def _count_a2a(watch, sizes):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Sizes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else ""
-            if name in ("alltoall_base_", "alltoall_", "all_to_all_single"):
-                x = {"alltoall_base_": [args[1]], "alltoall_": list(args[1])}.get(name, [args[0]])
-                sizes.append(sum(t.numel() * t.element_size() for t in x))
-            return func(*args, **(kwargs or {}))
-
-    watch.enter_context(Sizes())
+    watch.enter_context(_AllToAllSizes(sizes))
 
 
 def check_dispatch_combine(dispatch_combine) -> None:

@@ -4,6 +4,7 @@
   ``n`` expert-parallel ranks holding equal shares of evenly loaded experts, a fraction ``(n−1)/n``
   of the ``T·k`` assignments go to another rank: the dispatch sends ``T·k·h·(n−1)/n`` values per
   rank, the combine the same back; backward repeats both.
+- :class:`~course_utils.comm.AllToAllCounter` counts what an all-to-all really sent.
 - :func:`moe_params`: a transformer's parameters with MoE MLPs, total and active per token
   (Mixtral 8×7B: 46.7 B total, 12.9 B active, as Mistral AI publishes).
 
@@ -12,36 +13,13 @@ Taught in notebook 10.
 
 from __future__ import annotations
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class AllToAllCounter(TorchDispatchMode):
-    """``with AllToAllCounter(rank, n) as c: ...`` then ``c.values``: the values this rank's
-    ``all_to_all_single`` calls sent to *other* ranks (the slice it keeps left out), uneven splits
-    counted as they were; ``c.calls``: the number of calls. ``rank`` and ``n``: this rank's place
-    in the group the calls use, and its size."""
-
-    def __init__(self, rank: int, n: int):
-        super().__init__()
-        self.rank, self.n, self.values, self.calls = rank, n, 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "namespace", "") == "c10d" and func._schema.name.endswith(
-            "alltoall_base_"
-        ):
-            inp, splits = args[1], list(args[3])  # (output, input, out_splits, in_splits, ...)
-            rows = inp.shape[0]
-            splits = splits or [rows // self.n] * self.n  # no splits given: equal ones
-            per_row = inp.numel() // max(rows, 1)
-            self.values += sum(s for j, s in enumerate(splits) if j != self.rank) * per_row
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
+from ..comm.ledger import ring_factor
 
 
 def all_to_all_values(tokens: int, k: int, h: int, n: int) -> dict:
     """``{"dispatch": ..., "combine": ...}``: values one rank sends per MoE layer, forward, with
     an even load (backward sends the same again)."""
-    one_way = tokens * k * h * (n - 1) / n
+    one_way = ring_factor("all_to_all", n) * tokens * k * h
     return {"dispatch": one_way, "combine": one_way}
 
 

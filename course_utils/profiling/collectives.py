@@ -15,6 +15,8 @@ reduce_scatter (n - 1) / n
 broadcast      1
 all_to_all     (n - 1) / n
 ============== ==============
+
+(:func:`course_utils.comm.ring_factor`, the one place these are written).
 """
 
 from __future__ import annotations
@@ -24,18 +26,12 @@ import time
 import torch
 import torch.distributed as dist
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+from ..comm.ledger import OPS, ring_factor
 
 
 def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factor for ``op`` on ``n`` ranks."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    if op == "broadcast":
-        return 1.0
-    raise ValueError(f"unknown collective {op!r}: choose from {OPS}")
+    """nccl-tests' bus-bandwidth factor for ``op`` on ``n`` ranks: the ledger's ring factor."""
+    return ring_factor(op, n)
 
 
 def message_sizes(max_bytes: int, min_bytes: int = 1024, factor: int = 4) -> list[int]:

@@ -1,8 +1,9 @@
 """Measure tensor parallelism against the papers: collectives counted, activation memory.
 
-- :class:`CollectiveCounter` records every c10d collective a rank issues (forward and backward),
-  with the bytes of its input, from torch's dispatcher: it sees the from-scratch layers' calls and
-  torch's own (DTensor, DDP) the same way, and needs no change to the code it watches.
+- :class:`~course_utils.comm.CollectiveCounter` records every c10d collective a rank issues
+  (forward and backward), with the bytes of its input, from torch's dispatcher: it sees the
+  from-scratch layers' calls and torch's own (DTensor, DDP) the same way, and needs no change to
+  the code it watches; :func:`~course_utils.comm.ring_bytes` turns its sizes into bytes sent.
 - :func:`megatron_bytes_per_layer`: Narayanan et al. 2021 (§3.2): a transformer layer's tensor
   parallelism sends ``8·b·s·h·(t−1)/t`` values per rank per layer and micro-batch (two
   all-reduces forward, two backward, each sending ``2(t−1)/t`` of a ``b·s·h`` tensor).
@@ -14,86 +15,9 @@ Taught in notebook 06.
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-# op name -> (kind, where the nccl-tests "size" is: the all-reduced tensor, the gathered output,
-# the reduce-scattered input). "out": the functional op's return value.
-_OPS = {
-    "allreduce_": ("all_reduce", 0),
-    "all_reduce": ("all_reduce", 0),
-    "allgather_": ("all_gather", 0),
-    "_allgather_base_": ("all_gather", 0),
-    "allgather_into_tensor_coalesced_": ("all_gather", 0),
-    "all_gather_into_tensor": ("all_gather", "out"),
-    "reduce_scatter_": ("reduce_scatter", 1),
-    "_reduce_scatter_base_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor": ("reduce_scatter", 0),
-    "reduce_": ("reduce", 0),
-    "broadcast_": ("broadcast", 0),
-    "broadcast": ("broadcast", 0),
-    "alltoall_base_": ("all_to_all", 1),
-    "alltoall_": ("all_to_all", 1),
-    "all_gather_into_tensor_out": ("all_gather", "out"),
-    "all_to_all_single": ("all_to_all", 0),
-}
-
-
-def _bytes(x) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_bytes(y) for y in x)
-    return 0
-
-
-@dataclass
-class CollectiveCounter(TorchDispatchMode):
-    """``with CollectiveCounter() as c: ...`` then ``c.counts`` (``{"all_reduce": 2}``) and
-    ``c.bytes``: per kind, the collectives' sizes as nccl-tests defines them (the all-reduced
-    tensor, the gathered output, the reduce-scattered input). :func:`ring_bytes` turns a size into
-    the bytes each rank sends.
-
-    Both the c10d ops (``dist.all_reduce``) and the functional ones DTensor uses are seen. Backward
-    runs in the same thread on CPU, so a ``loss.backward()`` inside the block is counted too.
-    ``p2p=True`` counts point-to-point sends as well (kind ``"send"``, the bytes sent).
-    """
-
-    counts: Counter = field(default_factory=Counter)
-    bytes: Counter = field(default_factory=Counter)
-    calls: list = field(default_factory=list)
-    p2p: bool = False
-
-    def __post_init__(self):
-        super().__init__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.__name__.split(".")[0]
-        ops = {**_OPS, "send": ("send", 0)} if self.p2p else _OPS
-        if func.namespace in ("c10d", "_c10d_functional") and name in ops:
-            kind, where = ops[name]
-            nbytes = _bytes(out if where == "out" else args[where])
-            self.counts[kind] += 1
-            self.bytes[kind] += nbytes
-            self.calls.append((kind, nbytes))
-        return out
-
-
-def ring_bytes(kind: str, nbytes: int, t: int) -> float:
-    """Bytes each rank sends in a ring ``kind`` whose full tensor is ``nbytes``:
-    all-reduce ``2(t−1)/t``, all-gather and reduce-scatter ``(t−1)/t`` of it; an all-to-all of
-    equal splits ``(t−1)/t`` of its input (the rest stays on the rank); a send all of it."""
-    if kind == "send":
-        return float(nbytes)
-    if t == 1:
-        return 0.0
-    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}[kind]
-    return factor * (t - 1) / t * nbytes
+from ..comm.ledger import ring_bytes  # plan.layouts and notebook 07 take it from here
 
 
 def megatron_bytes_per_layer(b: int, s: int, h: int, t: int, bytes_per_value: int = 2) -> float:
@@ -159,7 +83,6 @@ def activation_bytes_per_layer(
 
 
 __all__ = [
-    "CollectiveCounter",
     "activation_bytes_per_layer",
     "dropout_mask_bytes",
     "megatron_bytes_per_layer",

@@ -2,7 +2,8 @@
 
 The ZeRO paper (§7) counts a collective by the size of the buffer it works on: a reduce-scatter or
 an all-gather of ``Ψ`` elements moves ``Ψ``, an all-reduce ``2Ψ`` (a reduce-scatter then an
-all-gather). With a ring each rank actually sends ``(n−1)/n`` of that, which :attr:`sent` gives.
+all-gather). With a ring each rank actually sends ``(n−1)/n`` of that, which :attr:`sent` gives
+(both from :mod:`course_utils.comm.ledger`).
 Counting at the call site is the honest measure on gloo, which runs a reduce-scatter as an
 all-reduce (twice the bytes, pytorch pull request 118911); on the wire, NCCL sends what :attr:`sent` says.
 
@@ -17,7 +18,7 @@ import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 
-FACTOR = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2, "broadcast": 1}
+from ..comm.ledger import ring_bytes, volume
 
 _active: list[Traffic] = []
 
@@ -37,8 +38,8 @@ def note(op: str, nbytes: int, n: int) -> None:
     """Record one collective ``op`` on a buffer of ``nbytes`` over ``n`` ranks."""
     for t in _active:
         t.calls[op] += 1
-        t.volume[op] += FACTOR[op] * nbytes
-        t.sent_bytes += FACTOR[op] * nbytes * (n - 1) / n
+        t.volume[op] += volume(op, nbytes)
+        t.sent_bytes += ring_bytes(op, nbytes, n)
 
 
 @contextlib.contextmanager
