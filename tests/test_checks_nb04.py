@@ -154,3 +154,14 @@ def test_04_2_looking_the_factor_up_is_refused():
     original = collectives.bus_factor
     fails(checks.check_bus_bandwidth, looked_up, "work out each collective's factor yourself")
     assert collectives.bus_factor is original and collectives.bus_factor("broadcast", 4) == 1.0
+
+
+def test_04_2_looking_the_ledger_up_is_refused():
+    """The ring factor behind collectives.bus_factor (course_utils.comm) is refused too."""
+    from course_utils.comm import ring_factor
+
+    def ledger(op, nbytes, seconds, n):
+        return nbytes / seconds / 1e9 * ring_factor(op, n)
+
+    fails(checks.check_bus_bandwidth, ledger, "work out each collective's factor yourself")
+    assert ring_factor("all_reduce", 4) == 1.5
