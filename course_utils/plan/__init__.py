@@ -51,9 +51,6 @@ from .published import (
     paper_layout,
 )
 
-Layout = Choice
-"""The name notebook 07 uses for a :class:`Choice`."""
-
 __all__ = [
     "A100_80GB",
     "GPT3_175B",
@@ -65,7 +62,6 @@ __all__ = [
     "RECOMPUTE",
     "Choice",
     "Cluster",
-    "Layout",
     "Prediction",
     "PublishedRun",
     "Transformer",

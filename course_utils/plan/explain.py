@@ -29,16 +29,19 @@ def _hidden(pred: Prediction, key: str) -> str:
     return f"{_s(hid)} hidden behind compute, {_s(shown)} exposed"
 
 
-def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
-    """The choice in the lectures' terms: which dimension sits on which link and why, which
-    communication hides behind compute and which is exposed, ZeRO, memory."""
+def _where(pred: Prediction, key: str) -> str:
+    return "inside a node" if pred.links[key] == "intra" else "across nodes"
+
+
+def _headline(pred: Prediction, cluster: Cluster) -> list[str]:
+    """The layout, its micro-batches and techniques, the step time, and how the states are kept."""
     c, T, d, g = pred.choice, pred.time, pred.detail, cluster.gpus_per_node
     nodes = math.ceil(c.n_gpus / g)
     v = f", v={c.interleave} chunks per stage" if c.interleave > 1 else ""
     extra = "".join(f" × {k}={getattr(c, k)}" for k in ("cp", "ep") if getattr(c, k) > 1)
     st = d["states"]
     per_param = st["param"] + st["grad"] + st["optim"]
-    lines = [
+    return [
         f"dp={c.dp} × pp={c.pp} × tp={c.tp}{extra} on {c.n_gpus} GPUs ({nodes} node(s) of {g}), "
         f"m={c.micro_batches} micro-batches of b={d['b']}{v}, {c.family}, recomputation "
         f"{d['recompute']}, attention {d['attention']}, "
@@ -49,11 +52,16 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
         f"master copy), parameters gathered in {st['gather']:g}-byte and gradients reduced in "
         f"{st['reduce']:g}-byte values.",
     ]
+
+
+def _tp_line(pred: Prediction, cluster: Cluster) -> str:
+    """Where TP's groups sit, the bytes their collectives move, and whether they hide."""
+    c, T, d, g = pred.choice, pred.time, pred.detail, cluster.gpus_per_node
     tp_bytes = d["tp_bytes"] / GB
     if c.tp == 1:
-        lines.append("TP=1: every GPU computes whole layers; no all-reduce inside a layer.")
-    elif pred.links["tp"] == "intra":
-        lines.append(
+        return "TP=1: every GPU computes whole layers; no all-reduce inside a layer."
+    if pred.links["tp"] == "intra":
+        return (
             f"TP={c.tp} stays inside a node on NVLink"
             + (" with sequence parallelism" if d["sequence_parallel"] else "")
             + f": its collectives after every attention and MLP block move {tp_bytes:.3g} GB per "
@@ -62,48 +70,56 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
                if d["overlaps"]["tp"]
                else f"{_s(T['tp_comm'])}, exposed: the next matrix product waits for each.")
         )  # fmt: skip
-    else:
-        why = (
-            f"tp={c.tp} > {g} GPUs per node" if c.tp > g else f"{g} is not a multiple of tp={c.tp}"
-        )
-        lines.append(
-            f"TP={c.tp} crosses nodes ({why}): {tp_bytes:.3g} GB per GPU per step of collectives "
-            f"on the inter-node link cost {_s(T['tp_comm'])}, exposed; keep TP within {g} GPUs "
-            "if you can."
-        )
+    why = f"tp={c.tp} > {g} GPUs per node" if c.tp > g else f"{g} is not a multiple of tp={c.tp}"
+    return (
+        f"TP={c.tp} crosses nodes ({why}): {tp_bytes:.3g} GB per GPU per step of collectives "
+        f"on the inter-node link cost {_s(T['tp_comm'])}, exposed; keep TP within {g} GPUs "
+        "if you can."
+    )
+
+
+def _pp_line(pred: Prediction) -> str:
+    """The pipeline's link, the layers of a stage and the bubble."""
+    c, T, d = pred.choice, pred.time, pred.detail
     if c.pp == 1:
-        lines.append("PP=1: no pipeline, so no bubble; every GPU holds all layers.")
-    else:
-        where = "across nodes" if pred.links["pp"] == "inter" else "inside a node"
-        frac = theory_bubble(c.pp, c.micro_batches, c.interleave)
-        lines.append(
-            f"PP={c.pp} {where}: a stage boundary only passes b·s·h activations point to point "
-            f"({_s(T['pp_comm'])}), which a slow link tolerates; each stage holds "
-            f"{d['layers_per_stage']} layer(s). The bubble (p-1)/(v·m+p-1) = {frac:.1%} of the "
-            f"step costs {_s(T['bubble'])}."
-        )
+        return "PP=1: no pipeline, so no bubble; every GPU holds all layers."
+    where = "across nodes" if pred.links["pp"] == "inter" else "inside a node"
+    frac = theory_bubble(c.pp, c.micro_batches, c.interleave)
+    return (
+        f"PP={c.pp} {where}: a stage boundary only passes b·s·h activations point to point "
+        f"({_s(T['pp_comm'])}), which a slow link tolerates; each stage holds "
+        f"{d['layers_per_stage']} layer(s). The bubble (p-1)/(v·m+p-1) = {frac:.1%} of the "
+        f"step costs {_s(T['bubble'])}."
+    )
 
-    def where(key):
-        return "inside a node" if pred.links[key] == "intra" else "across nodes"
 
+def _dp_line(pred: Prediction) -> str:
+    """The data-parallel group (HSDP's shards and replicas, the experts' ranks), its bytes and
+    how much of them hides."""
+    c, d = pred.choice, pred.detail
     if c.shard_degree * c.replicas == 1:
-        lines.append("DP=1: one replica; no gradient reduction.")
-    else:
-        what = "gradients, parameters" if c.zero else "gradients"
-        group = f"DP={c.dp}" + (f" × CP={c.cp}" if c.cp > 1 else "")
-        if c.replicas > 1:
-            group += (f", sharded over groups of {c.shard_degree} {where('dp')} and all-reduced "
-                      f"over {c.replicas} replicas {where('replicate')}")  # fmt: skip
-        else:
-            group += f" over the rest, {where('dp')}"
-        if c.ep > 1:
-            group += (
-                f" (the experts' gradients over the {c.shard_degree // c.ep} ranks holding each)"
-            )
-        lines.append(
-            f"{group}: each GPU sends {d['dp_bytes'] / GB:.3g} GB per step ({what}): "
-            f"{_hidden(pred, 'dp_comm')}."
+        return "DP=1: one replica; no gradient reduction."
+    what = "gradients, parameters" if c.zero else "gradients"
+    group = f"DP={c.dp}" + (f" × CP={c.cp}" if c.cp > 1 else "")
+    if c.replicas > 1:
+        group += (
+            f", sharded over groups of {c.shard_degree} {_where(pred, 'dp')} and "
+            f"all-reduced over {c.replicas} replicas {_where(pred, 'replicate')}"
         )
+    else:
+        group += f" over the rest, {_where(pred, 'dp')}"
+    if c.ep > 1:
+        group += f" (the experts' gradients over the {c.shard_degree // c.ep} ranks holding each)"
+    return (
+        f"{group}: each GPU sends {d['dp_bytes'] / GB:.3g} GB per step ({what}): "
+        f"{_hidden(pred, 'dp_comm')}."
+    )
+
+
+def _zero_line(pred: Prediction, model: Transformer) -> str:
+    """Why this ZeRO stage: the lowest whose states fit beside the activations, or what to try
+    when none does."""
+    c, d = pred.choice, pred.detail
     states = d["states_by_stage"]
     acts, limit = pred.memory["activations"], pred.memory["limit"]
     lowest = next((z for z in STAGES if states[z] + acts <= limit), None)
@@ -112,40 +128,41 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
         tries = ["more GPUs for PP or TP" + (" or CP" if model.seq_len >= 32768 else "")]
         tries += ["recomputation"] if d["recompute"] != "full" else []
         tries += ["a smaller micro-batch"] if d["b"] > 1 else []
-        lines.append(
+        return (
             f"{c.family}: even the smallest states, {_stage(least)}'s {states[least] / GB:.1f} GB, "
             f"leave no room for the activations; try {'; '.join(tries)}."
         )
-    elif c.zero == 0:
-        lines.append(f"ZeRO off: the replicated model states ({states[0] / GB:.1f} GB) fit.")
-    elif lowest == c.zero:
+    if c.zero == 0:
+        return f"ZeRO off: the replicated model states ({states[0] / GB:.1f} GB) fit."
+    if lowest == c.zero:
         lower = ", ".join(f"{_stage(z)} {states[z] / GB:.1f} GB" for z in range(lowest))
-        lines.append(
+        return (
             f"ZeRO-{c.zero} ({STAGES[c.zero]}) because with less sharding the states would not "
             f"fit beside {acts / GB:.1f} GB of activations in {limit / GB:.1f} GB ({lower}); with "
             f"it they take {states[c.zero] / GB:.1f} GB."
         )
-    elif states[c.zero] > states[lowest]:
-        lines.append(
+    if states[c.zero] > states[lowest]:
+        return (
             f"{c.family}, although {_stage(lowest)} would fit with fewer bytes "
             f"({states[lowest] / GB:.1f} against {states[c.zero] / GB:.1f} GB of states"
             + (": inside a pipeline FSDP keeps the stage gathered" if c.pp > 1 and c.zero == 3
                else "")
             + "): as fast within the model's error, not chosen for memory."
         )  # fmt: skip
-    else:
-        lines.append(
-            f"{c.family}, although {_stage(lowest)} would already fit ({states[lowest] / GB:.1f} "
-            f"GB of states): the higher stage saves memory, not time."
-        )
-    mem = pred.memory
-    lines.append(
+    return (
+        f"{c.family}, although {_stage(lowest)} would already fit ({states[lowest] / GB:.1f} "
+        f"GB of states): the higher stage saves memory, not time."
+    )
+
+
+def _memory_and_step_lines(pred: Prediction) -> list[str]:
+    """Memory per GPU, term by term, and the step's exposed and hidden seconds."""
+    T, d, mem = pred.time, pred.detail, pred.memory
+    hidden = {k: v for k, v in d["hidden"].items() if v > 0}
+    return [
         f"Memory per GPU: states {mem['model_states'] / GB:.1f} GB + activations "
         f"{mem['activations'] / GB:.1f} GB (recomputation {d['recompute']}) = "
-        f"{mem['total'] / GB:.1f} GB of {mem['limit'] / GB:.1f} GB usable."
-    )
-    hidden = {k: v for k, v in d["hidden"].items() if v > 0}
-    lines.append(
+        f"{mem['total'] / GB:.1f} GB of {mem['limit'] / GB:.1f} GB usable.",
         "Step, exposed: "
         + ", ".join(f"{key} {_s(T[key])}" for key in TERMS)
         + (
@@ -153,8 +170,13 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
             if hidden
             else "; nothing hidden"
         )
-        + f". Compute runs at {d['efficiency']:.0%} of peak at this micro-batch and TP width."
-    )
+        + f". Compute runs at {d['efficiency']:.0%} of peak at this micro-batch and TP width.",
+    ]
+
+
+def _cp_ep_overlap_lines(pred: Prediction) -> list[str]:
+    """Context and expert parallelism where used, and the overlaps the run had."""
+    c, d, lines = pred.choice, pred.detail, []
     if c.cp > 1:
         lines.append(f"CP={c.cp} ({pred.links['cp']}): each sequence split {c.cp} ways, K and V "
                      f"gathered per layer: {_hidden(pred, 'cp_comm')}.")  # fmt: skip
@@ -165,15 +187,25 @@ def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
     if on:
         lines.append(f"Overlapped as the run had it: {', '.join(on)} communication behind the "
                      "computation that feeds it.")  # fmt: skip
+    return lines
+
+
+def _tie_line(pred: Prediction, cluster: Cluster) -> str:
+    """Whether the layout is an equal of the fastest, and the rule that orders equals."""
     rule = tie_rule(cluster)[1]
     if pred.tied:
-        lines.append(
-            f"Within 5% of the fastest layout that fits, an equal, ordered by a rule: {rule}."
-        )
-    else:
-        lines.append(
-            f"Layouts within 5% of the fastest would be equals, ordered by a rule: {rule}."
-        )
+        return f"Within 5% of the fastest layout that fits, an equal, ordered by a rule: {rule}."
+    return f"Layouts within 5% of the fastest would be equals, ordered by a rule: {rule}."
+
+
+def explain(pred: Prediction, model: Transformer, cluster: Cluster) -> str:
+    """The choice in the lectures' terms: which dimension sits on which link and why, which
+    communication hides behind compute and which is exposed, ZeRO, memory."""
+    lines = _headline(pred, cluster)
+    lines += [_tp_line(pred, cluster), _pp_line(pred), _dp_line(pred), _zero_line(pred, model)]
+    lines += _memory_and_step_lines(pred)
+    lines += _cp_ep_overlap_lines(pred)
+    lines.append(_tie_line(pred, cluster))
     if pred.reasons:
         lines.append("Does not fit or is invalid: " + "; ".join(pred.reasons) + ".")
     return "\n".join(lines)

@@ -200,24 +200,13 @@ def predict(
     mode = _recompute_mode(recompute)
     sp = (c.tp > 1) if sequence_parallel is None else bool(sequence_parallel)
     reasons = problems(model, c, n_gpus)
-    b = model.global_batch / (c.dp * c.micro_batches)
-    b = int(b) if b == int(b) else b
-    per_param = state_bytes(c, states, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k)
-    if prefetch < 1:
-        raise ValueError(f"prefetch must be at least 1 layer, not {prefetch!r}")
-    st = model_states(model, c, states=per_param, prefetch=prefetch)
-    acts = activations(model, c, b, sequence_parallel=sp, act_bytes=act_bytes,
-                       mask_bytes=mask_bytes, attention=attention, recompute=mode)  # fmt: skip
-    act = max(acts["first"], acts["last"])
-    state = st["by_stage"][c.zero]
-    total = state + act
-    limit = memory_headroom * cluster.memory_bytes
-    if total > limit:
-        reasons.append(
-            f"needs {total / GB:.1f} GB per GPU (model states {state / GB:.1f} + "
-            f"activations {act / GB:.1f}) but {memory_headroom:.0%} of "
-            f"{cluster.memory_bytes / GB:.0f} GB is {limit / GB:.1f} GB"
-        )
+    b = _micro_batch_size(model, c)
+    per_param, st, memory, detail = _memory_per_gpu(
+        model, cluster, c, b, reasons, states=states, prefetch=prefetch,
+        override={"param_bytes": param_bytes, "grad_bytes": grad_bytes, "k": k},
+        headroom=memory_headroom, sequence_parallel=sp, recompute=mode, act_bytes=act_bytes,
+        mask_bytes=mask_bytes, attention=attention,
+    )  # fmt: skip
     links = placement(c, cluster.gpus_per_node)
     layer_bytes = layer_activation_bytes(model, b, c.tp, sp, act_bytes, mask_bytes, attention,
                                          "none", c.cp, model.moe)  # fmt: skip
@@ -228,6 +217,100 @@ def predict(
         overlap_cost=overlap_cost if overlap else 0.0, pp_scatter_gather=pp_scatter_gather,
         prefetch=prefetch,
     )  # fmt: skip
+    detail.update(
+        hidden=hidden, elementwise=extra["elementwise"], overlap=overlap,
+        overlaps={"tp": tp_overlap, "cp": cp_overlap, "ep": ep_overlap},
+        efficiency=extra["efficiency"],
+        **_traffic_bytes(model, c, b, mode, links, extra, act_bytes),
+    )  # fmt: skip
+    return Prediction(c, memory, time, links, not reasons, reasons, detail)
+
+
+def _micro_batch_size(model: Transformer, choice: Choice) -> float:
+    """``b = B / (dp · m)``: an int when it divides, else the fraction (an invalid layout)."""
+    b = model.global_batch / (choice.dp * choice.micro_batches)
+    return int(b) if b == int(b) else b
+
+
+def _memory_per_gpu(
+    model: Transformer,
+    cluster: Cluster,
+    choice: Choice,
+    b: float,
+    reasons: list[str],
+    *,
+    states: str | None,
+    override: dict,
+    prefetch: int,
+    headroom: float,
+    sequence_parallel: bool,
+    recompute: str,
+    act_bytes: float,
+    mask_bytes: float,
+    attention: str,
+) -> tuple[dict, dict, dict, dict]:
+    """``(per_param, st, memory, detail)`` of :func:`predict`: the bytes per parameter, one
+    shard's model states, :attr:`Prediction.memory` and the memory half of
+    :attr:`Prediction.detail`. Appends to ``reasons`` when the layout does not fit."""
+    c = choice
+    per_param = state_bytes(c, states, **override)
+    if prefetch < 1:
+        raise ValueError(f"prefetch must be at least 1 layer, not {prefetch!r}")
+    st = model_states(model, c, states=per_param, prefetch=prefetch)
+    acts = activations(model, c, b, sequence_parallel=sequence_parallel, act_bytes=act_bytes,
+                       mask_bytes=mask_bytes, attention=attention, recompute=recompute)  # fmt: skip
+    act = max(acts["first"], acts["last"])
+    state = st["by_stage"][c.zero]
+    total = state + act
+    limit = headroom * cluster.memory_bytes
+    if total > limit:
+        reasons.append(
+            f"needs {total / GB:.1f} GB per GPU (model states {state / GB:.1f} + "
+            f"activations {act / GB:.1f}) but {headroom:.0%} of "
+            f"{cluster.memory_bytes / GB:.0f} GB is {limit / GB:.1f} GB"
+        )
+    detail = {
+        "b": b,
+        "params_per_gpu": st["psi"],
+        "expert_params_per_gpu": st["expert"],
+        "layers_per_stage": layers_per_stage(model, c),
+        "recompute": recompute,
+        "attention": attention,
+        "sequence_parallel": sequence_parallel,
+        "states": per_param,
+        "states_by_stage": _states_by_stage(model, c, st, states, override, prefetch),
+        "activations_first": acts["first"],
+        "activations_last": acts["last"],
+        "logits": acts["logits"],
+    }
+    memory = {"model_states": state, "activations": act, "total": total, "limit": limit}
+    return per_param, st, memory, detail
+
+
+def _states_by_stage(model: Transformer, choice: Choice, st: dict, states: str | None,
+                     override: dict, prefetch: int) -> list[float]:  # fmt: skip
+    """Each ZeRO stage's model states for this layout (``st``'s for its own stage), each with its
+    framework's bytes per parameter unless ``states`` was given: what :func:`explain` weighs
+    when it says why this stage."""
+    c = choice
+    return [
+        st["by_stage"][z]
+        if z == c.zero
+        else model_states(
+            model,
+            replace(c, zero=z, reshard=True, shard=0),
+            states=state_bytes(replace(c, zero=z, reshard=True, shard=0), states, **override),
+            prefetch=prefetch,
+        )["by_stage"][z]
+        for z in range(4)
+    ]
+
+
+def _traffic_bytes(model: Transformer, choice: Choice, b: float, mode: str, links: dict,
+                   extra: dict, act_bytes: float) -> dict:  # fmt: skip
+    """Bytes per GPU per step: TP's collectives, DP's (with its message count) and all that
+    crosses the inter-node network (what the slow-network tie rule weighs)."""
+    c = choice
     per_stage = layers_per_stage(model, c)
     calls = (6 if mode == "full" else 4) * per_stage * c.micro_batches
     m = c.micro_batches
@@ -244,47 +327,8 @@ def predict(
         inter += tp_bytes
     if links["pp"] == "inter" and c.pp > 1:
         inter += 2 * m * b * model.seq_len / c.cp * model.hidden * act_bytes / c.tp
-    detail = {
-        "b": b,
-        "params_per_gpu": st["psi"],
-        "expert_params_per_gpu": st["expert"],
-        "layers_per_stage": per_stage,
-        "recompute": mode,
-        "attention": attention,
-        "sequence_parallel": sp,
-        "states": per_param,
-        "states_by_stage": [
-            st["by_stage"][z]
-            if z == c.zero
-            else model_states(
-                model,
-                replace(c, zero=z, reshard=True, shard=0),
-                states=state_bytes(
-                    replace(c, zero=z, reshard=True, shard=0),
-                    states,
-                    param_bytes=param_bytes,
-                    grad_bytes=grad_bytes,
-                    k=k,
-                ),
-                prefetch=prefetch,
-            )["by_stage"][z]
-            for z in range(4)
-        ],
-        "activations_first": acts["first"],
-        "activations_last": acts["last"],
-        "logits": acts["logits"],
-        "hidden": hidden,
-        "elementwise": extra["elementwise"],
-        "overlap": overlap,
-        "overlaps": {"tp": tp_overlap, "cp": cp_overlap, "ep": ep_overlap},
-        "efficiency": extra["efficiency"],
-        "tp_bytes": tp_bytes,
-        "dp_bytes": dp_bytes,
-        "dp_messages": extra["dp_messages"],
-        "inter_bytes": inter,
-    }
-    memory = {"model_states": state, "activations": act, "total": total, "limit": limit}
-    return Prediction(c, memory, time, links, not reasons, reasons, detail)
+    return {"tp_bytes": tp_bytes, "dp_bytes": dp_bytes, "dp_messages": extra["dp_messages"],
+            "inter_bytes": inter}  # fmt: skip
 
 
 def _divisors(n: int) -> list[int]:

@@ -127,12 +127,77 @@ def step_time(
 ) -> tuple[dict, dict, dict]:
     """``(time, hidden, extra)``: seconds per step of each exposed term (and their ``total``),
     the seconds of communication each term hid behind compute, and the numbers behind them."""
-    L, s, h = model.layers, model.seq_len, model.hidden
     c = choice
-    t, p, m, v, cp, ep = c.tp, c.pp, c.micro_batches, c.interleave, c.cp, c.ep
+    t, p, m, v = c.tp, c.pp, c.micro_batches, c.interleave
     link = {k: cluster.intra if where == "intra" else cluster.inter for k, where in links.items()}
     per_stage = layers_per_stage(model, c)
-    tokens = b * s / cp  # one micro-batch's tokens on one GPU
+    tokens = b * model.seq_len / c.cp  # one micro-batch's tokens on one GPU
+    compute, bubble, elementwise, eff = _compute_and_bubble(
+        model, cluster, c, tokens, per_stage, recompute, layer_bytes
+    )
+
+    # one micro-batch's forward and backward on this GPU (the windows communication can hide in)
+    passes = {"none": 3, "selective": 3, "full": 4}[recompute]
+    per_micro = compute / m
+    windows = (per_micro / passes, per_micro * (passes - 1) / passes)
+
+    tp_total, tp_exposed = _tp_seconds(
+        model, c, link, tokens, per_stage, recompute, act_bytes, compute, tp_overlap
+    )
+    cp_total, cp_exposed = _cp_seconds(
+        model, c, link, b, per_stage, recompute, act_bytes, compute, cp_overlap
+    )
+    ep_total, ep_exposed = _ep_seconds(
+        model, cluster, c, links, tokens, per_stage, recompute, sequence_parallel, act_bytes,
+        compute, ep_overlap,
+    )  # fmt: skip
+
+    split = t if (sequence_parallel or pp_scatter_gather) else 1  # scatter/gather or SP: 1/t
+    pp_messages = 2 * (v * m + p - 2) if p > 1 else 0
+    pp_total = pp_messages * link["pp"].p2p(tokens * model.hidden * act_bytes / split)
+
+    rows = dp_ops(model, c, parts, states, dp_bucket_bytes, per_stage)
+    dp_total, dp_exposed = _dp_seconds(
+        c,
+        link,
+        rows,
+        parts,
+        per_stage,
+        dp_bucket_bytes,
+        windows,
+        overlap=overlap,
+        prefetch=prefetch,
+    )
+
+    hidden_s = (tp_total - tp_exposed) + (dp_total - dp_exposed)
+    hidden_s += (cp_total - cp_exposed) + (ep_total - ep_exposed)
+    compute += overlap_cost * hidden_s  # communication kernels slow the compute they hide behind
+    time = {"compute": compute, "bubble": bubble, "tp_comm": tp_exposed, "cp_comm": cp_exposed,
+            "ep_comm": ep_exposed, "pp_comm": pp_total, "dp_comm": dp_exposed}  # fmt: skip
+    time["total"] = sum(time.values())
+    hidden = {"tp_comm": tp_total - tp_exposed, "cp_comm": cp_total - cp_exposed,
+              "ep_comm": ep_total - ep_exposed, "pp_comm": 0.0,
+              "dp_comm": dp_total - dp_exposed}  # fmt: skip
+    extra = {"elementwise": elementwise, "efficiency": eff, "dp_rows": rows,
+             "dp_messages": sum(r[4] * (m if r[5] == "micro-batch" else 1) for r in rows)}  # fmt: skip
+    return time, hidden, extra
+
+
+def _compute_and_bubble(
+    model: Transformer,
+    cluster: Cluster,
+    choice: Choice,
+    tokens: float,
+    per_stage: int,
+    recompute: str,
+    layer_bytes: float,
+) -> tuple:
+    """``(compute, bubble, elementwise, efficiency)``: seconds of the fullest stage's compute per
+    step (its layers, their element-wise work and the head), the bubble, the element-wise part,
+    and the efficiency the matrix products run at."""
+    c = choice
+    L, s, h = model.layers, model.seq_len, model.hidden
+    t, p, m = c.tp, c.pp, c.micro_batches
     eff = cluster.matmul_efficiency(tokens) * width_factor(model, t, cluster.half_efficiency_width)
     head = 6 * model.global_batch * s * h * model.vocab
     total_flops = flops_per_step(model, recompute)
@@ -145,32 +210,78 @@ def step_time(
         passes = 5 * (4 / 3 if recompute == "full" else 1)
         elementwise = passes * layer_bytes * per_stage * m / cluster.memory_bandwidth
     compute += elementwise
-    frac = theory_bubble(p, m, v)
+    frac = theory_bubble(p, m, c.interleave)
     # the fill and drain pass through the other stages, which hold layers only: the slowest stage
     # (the last, with the head) sets the pace of the m micro-batches, the others the bubble
     bubble = compute * frac / (1 - frac)
     compute += head_time
+    return compute, bubble, elementwise, eff
 
-    # one micro-batch's forward and backward on this GPU (the windows communication can hide in)
-    passes = {"none": 3, "selective": 3, "full": 4}[recompute]
-    per_micro = compute / m
-    fwd_window, bwd_window = per_micro / passes, per_micro * (passes - 1) / passes
 
-    calls = (6 if recompute == "full" else 4) * per_stage * m
-    tp_total = calls * link["tp"].all_reduce(tokens * h * act_bytes, t)
-    tp_exposed = tp_total
-    if tp_overlap and t > 1:
-        tp_exposed = max(0.0, tp_total - compute) + tp_total / max(calls, 1)
+def _tp_seconds(
+    model: Transformer,
+    choice: Choice,
+    link: dict,
+    tokens: float,
+    per_stage: int,
+    recompute: str,
+    act_bytes: float,
+    compute: float,
+    overlap: bool,
+) -> tuple:
+    """``(total, exposed)`` seconds of TP's all-reduces per step; with ``overlap`` all but the
+    last hide behind the compute."""
+    t = choice.tp
+    calls = (6 if recompute == "full" else 4) * per_stage * choice.micro_batches
+    total = calls * link["tp"].all_reduce(tokens * model.hidden * act_bytes, t)
+    exposed = total
+    if overlap and t > 1:
+        exposed = max(0.0, total - compute) + total / max(calls, 1)
+    return total, exposed
 
-    kv_bytes = b * s * 2 * model.kv * model.head_dim * act_bytes / t  # K and V gathered, per layer
-    cp_calls = (3 if recompute == "full" else 2) * per_stage * m
-    cp_total = cp_calls * link["cp"].all_gather(kv_bytes, cp) if cp > 1 else 0.0
+
+def _cp_seconds(
+    model: Transformer,
+    choice: Choice,
+    link: dict,
+    b: float,
+    per_stage: int,
+    recompute: str,
+    act_bytes: float,
+    compute: float,
+    overlap: bool,
+) -> tuple:
+    """``(total, exposed)`` seconds of context parallelism's K/V gathers per step; with
+    ``overlap`` they hide behind the attention's share of the compute."""
+    c, s = choice, model.seq_len
+    kv_bytes = b * s * 2 * model.kv * model.head_dim * act_bytes / c.tp  # K and V, per layer
+    cp_calls = (3 if recompute == "full" else 2) * per_stage * c.micro_batches
+    total = cp_calls * link["cp"].all_gather(kv_bytes, c.cp) if c.cp > 1 else 0.0
     attn_share = (
         4 * s * model.score_width / (2 * model.active_matmul_params() + 4 * s * model.score_width)
     )
-    cp_exposed = max(0.0, cp_total - attn_share * compute) if cp_overlap else cp_total
+    exposed = max(0.0, total - attn_share * compute) if overlap else total
+    return total, exposed
 
-    ep_total = 0.0
+
+def _ep_seconds(
+    model: Transformer,
+    cluster: Cluster,
+    choice: Choice,
+    links: dict,
+    tokens: float,
+    per_stage: int,
+    recompute: str,
+    sequence_parallel: bool,
+    act_bytes: float,
+    compute: float,
+    overlap: bool,
+) -> tuple:
+    """``(total, exposed)`` seconds of the MoE layers' all-to-alls per step, the part that leaves
+    the node on the network; with ``overlap`` they hide behind the compute."""
+    c, h = choice, model.hidden
+    t, cp, ep = c.tp, c.cp, c.ep
+    total = 0.0
     moe_layers = min(per_stage, model.moe_layers)
     if ep > 1 and moe_layers:
         sp = t if sequence_parallel else 1
@@ -180,14 +291,18 @@ def step_time(
         one = all_to_all(cluster.intra, routed * (1 - off), min(on_node, ep))
         if off:
             one = max(one, (ep - 1) * cluster.inter.alpha + routed * off / cluster.inter.beta)
-        ep_total = (6 if recompute == "full" else 4) * moe_layers * m * one
-    ep_exposed = max(0.0, ep_total - compute) if ep_overlap else ep_total
+        total = (6 if recompute == "full" else 4) * moe_layers * c.micro_batches * one
+    exposed = max(0.0, total - compute) if overlap else total
+    return total, exposed
 
-    split = t if (sequence_parallel or pp_scatter_gather) else 1  # scatter/gather or SP: 1/t
-    pp_messages = 2 * (v * m + p - 2) if p > 1 else 0
-    pp_total = pp_messages * link["pp"].p2p(tokens * h * act_bytes / split)
 
-    rows = dp_ops(model, c, parts, states, dp_bucket_bytes, per_stage)
+def _dp_collective_seconds(
+    choice: Choice, link: dict, rows: list[tuple], parts: dict, bucket: float
+) -> tuple[dict, dict, float]:
+    """Seconds of :func:`dp_ops`'s rows: per phase over the step, FSDP's per layer and
+    micro-batch, and the backward's last collective, which nothing after it can hide (the last
+    bucket, or FSDP's largest per-layer one)."""
+    c, m = choice, choice.micro_batches
     group_n = {"dp": c.shard_degree, "replicate": c.replicas}
     phase = {"forward": 0.0, "backward": 0.0}
     per_layer = {"forward": 0.0, "backward": 0.0}  # FSDP: one layer's collectives per micro-batch
@@ -207,7 +322,28 @@ def step_time(
             if ph == "backward":
                 last = max(last, one / messages)
         elif ph == "backward":
-            last = collective(ln, op, min(dp_bucket_bytes, nbytes), n)
+            last = collective(ln, op, min(bucket, nbytes), n)
+    return phase, per_layer, last
+
+
+def _dp_seconds(
+    choice: Choice,
+    link: dict,
+    rows: list[tuple],
+    parts: dict,
+    per_stage: int,
+    bucket: float,
+    windows: tuple,
+    *,
+    overlap: bool,
+    prefetch: int,
+) -> tuple:
+    """``(total, exposed)`` seconds of the data-parallel traffic per step: with ``overlap``,
+    reductions hide behind backward and gathers behind forward (``windows``: one micro-batch's
+    forward and backward seconds), all but the last bucket or layer."""
+    c, m = choice, choice.micro_batches
+    fwd_window, bwd_window = windows
+    phase, per_layer, last = _dp_collective_seconds(c, link, rows, parts, bucket)
     dp_total = phase["forward"] + phase["backward"]
     if not overlap or c.shard_degree * c.replicas == 1:
         dp_exposed = dp_total
@@ -226,20 +362,7 @@ def step_time(
     else:  # once per step: behind the last micro-batch's backward and the next forward
         dp_exposed = max(0.0, phase["backward"] - bwd_window) + last
         dp_exposed += max(0.0, phase["forward"] - fwd_window)
-    dp_exposed = min(dp_exposed, dp_total)
-
-    hidden_s = (tp_total - tp_exposed) + (dp_total - dp_exposed)
-    hidden_s += (cp_total - cp_exposed) + (ep_total - ep_exposed)
-    compute += overlap_cost * hidden_s  # communication kernels slow the compute they hide behind
-    time = {"compute": compute, "bubble": bubble, "tp_comm": tp_exposed, "cp_comm": cp_exposed,
-            "ep_comm": ep_exposed, "pp_comm": pp_total, "dp_comm": dp_exposed}  # fmt: skip
-    time["total"] = sum(time.values())
-    hidden = {"tp_comm": tp_total - tp_exposed, "cp_comm": cp_total - cp_exposed,
-              "ep_comm": ep_total - ep_exposed, "pp_comm": 0.0,
-              "dp_comm": dp_total - dp_exposed}  # fmt: skip
-    extra = {"elementwise": elementwise, "efficiency": eff, "dp_rows": rows,
-             "dp_messages": sum(r[4] * (m if r[5] == "micro-batch" else 1) for r in rows)}  # fmt: skip
-    return time, hidden, extra
+    return dp_total, min(dp_exposed, dp_total)
 
 
 __all__ = ["all_to_all", "collective", "dp_ops", "step_time", "width_factor"]
