@@ -22,7 +22,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..tensor_parallel.measure import megatron_bytes_per_layer, ring_bytes
+from ..comm.ledger import ring_bytes
+from ..tensor_parallel.measure import megatron_bytes_per_layer
 from .memory import activations, layer_activation_bytes, model_states, state_bytes
 from .model import (
     GB,

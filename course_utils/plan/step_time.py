@@ -40,11 +40,10 @@ from __future__ import annotations
 
 import math
 
+from ..comm.ledger import ring_factor, ring_steps
 from ..comm_model import AlphaBeta
 from ..pipeline.simulate import theory_bubble
 from .model import Choice, Cluster, Transformer, flops_per_step, layers_per_stage
-
-_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
 
 def collective(link: AlphaBeta, op: str, nbytes: float, n: int, messages: float = 1) -> float:
@@ -52,13 +51,16 @@ def collective(link: AlphaBeta, op: str, nbytes: float, n: int, messages: float 
     message pays the ring's latency, ``k(n-1)·α``, and the bytes ``k(n-1)/n·nbytes/β`` once."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    k = _STEPS[op]
-    return messages * k * (n - 1) * link.alpha + k * (n - 1) / n * nbytes / link.beta
+    return messages * ring_steps(op, n) * link.alpha + ring_factor(op, n) * nbytes / link.beta
 
 
 def all_to_all(link: AlphaBeta, nbytes: float, n: int) -> float:
     """Seconds for an all-to-all in which each rank holds ``nbytes`` and keeps ``1/n`` of them."""
-    return 0.0 if n <= 1 else (n - 1) * link.alpha + (n - 1) / n * nbytes / link.beta
+    if n <= 1:
+        return 0.0
+    return (
+        ring_steps("all_to_all", n) * link.alpha + ring_factor("all_to_all", n) * nbytes / link.beta
+    )
 
 
 def width_factor(model: Transformer, t: int, half: float) -> float:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.ledger import ring_bytes  # plan.layouts and notebook 07 take it from here
-
 
 def megatron_bytes_per_layer(b: int, s: int, h: int, t: int, bytes_per_value: int = 2) -> float:
     """Narayanan et al. 2021, §3.2: what one rank sends per transformer layer per micro-batch.
@@ -86,5 +84,4 @@ __all__ = [
     "activation_bytes_per_layer",
     "dropout_mask_bytes",
     "megatron_bytes_per_layer",
-    "ring_bytes",
 ]
