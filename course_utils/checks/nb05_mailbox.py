@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..measure import worst as worst_of
 from ..models import pipeline_mlp
-from ..pipeline.run import pipeline_worker
+from ..pipeline.parity import pipeline_worker
 from .common import fail
 from .nb05 import refusing_package_mailbox
 

@@ -223,7 +223,7 @@ class _Stage3Errors:
 def _stage3_worker(ctx, zero3_cls):
     import contextlib
 
-    from ..zero import run as zero_run
+    from ..zero import parity as zero_run
     from ..zero import stage3
     from .common import refuse_calls
 
