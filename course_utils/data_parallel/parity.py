@@ -5,7 +5,8 @@ batch, and a single-process reference on the *whole* global batch (every rank co
 redundantly, so no extra process is needed). After every optimizer step the largest parameter
 difference is recorded. Mean-reduced losses and gradients averaged over equal shards make the
 two mathematically identical. Only the order of floating-point summation differs, so float64
-agrees to ~1e-12.
+agrees to ~1e-12. The loop itself is :func:`course_utils.parity.train_beside_reference`, shared by
+every technique's check.
 
 Ranks that do not behave alike (``rank_dependent=True``: the model's forward reads
 ``model.rank``) have a different reference: the mean over ranks of each rank's gradient on its
