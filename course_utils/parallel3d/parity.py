@@ -74,13 +74,7 @@ def compose_worker(
     """
     from ..tensor_parallel.run import shard_like
 
-    if dp_method not in DP_METHODS:
-        raise ValueError(f"dp_method must be one of {DP_METHODS}, not {dp_method!r}")
-    if compute is not None and reference:
-        raise ValueError(
-            "modelled compute returns zeros for every product: pass reference=False (check "
-            "parity in a run without compute=...)"
-        )
+    check_compose_args(dp_method, compute, reference)
     cfg = cfg or GPTConfig(vocab=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
     dims = ParallelDims(dp, pp, tp, world_size=ctx.world_size)
     check_shape(dims, cfg, global_batch, micro_batches)
@@ -112,11 +106,27 @@ def compose_worker(
         reference_first=False,
         seed=seed,
     )
+    return compose_result(ctx, run, groups, compute)
+
+
+def check_compose_args(dp_method: str, compute, reference: bool) -> None:
+    """Refuse an unknown DP method, and modelled compute with a reference to compare."""
+    if dp_method not in DP_METHODS:
+        raise ValueError(f"dp_method must be one of {DP_METHODS}, not {dp_method!r}")
+    if compute is not None and reference:
+        raise ValueError(
+            "modelled compute returns zeros for every product: pass reference=False (check "
+            "parity in a run without compute=...)"
+        )
+
+
+def compose_result(ctx, run, groups, compute) -> dict:
+    """:func:`compose_worker`'s report: coordinates, parity per step, times, bytes held."""
     stage, runner = run.model.stage, run.model.runner
     return {
         "coords": tuple(groups.coords), "ranks": groups.ranks, "blocks": list(stage.blocks.keys()),
         "diffs": run.diffs,
-        "loss_diffs": loss_diffs(run, groups.dp, dp, ctx.device) if stage.last else [],
+        "loss_diffs": loss_diffs(run, groups.dp, groups.dims.dp, ctx.device) if stage.last else [],
         "step_s": [o["step_s"] for o in run.outputs], "cpu_s": [o["cpu_s"] for o in run.outputs],
         "params": sum(p.numel() for p in stage.parameters()),
         "states_bytes": run.outputs[-1]["states"].total,
