@@ -19,8 +19,8 @@ from course_utils.context_parallel import (
     values_per_rank,
     work_per_rank,
 )
-from course_utils.context_parallel.apply import cp_parity_worker
 from course_utils.context_parallel.comm import Ring, seq_to_head
+from course_utils.context_parallel.parity import cp_parity_worker
 from course_utils.context_parallel.ring import ring_attention
 from course_utils.context_parallel.softmax import causal_block_attention
 from course_utils.context_parallel.ulysses import allgather_attention, ulysses_attention

@@ -19,8 +19,8 @@ from course_utils.expert_parallel import (
     moe_params,
     route,
 )
+from course_utils.expert_parallel.parity import ep_parity_worker
 from course_utils.expert_parallel.router import capacity
-from course_utils.expert_parallel.run import ep_parity_worker
 
 # make test-floor runs these on the oldest torch too: all_to_all_single with uneven splits (gloo's in the floor lacks the list form)
 pytestmark = [pytest.mark.floor]

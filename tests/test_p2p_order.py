@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from course_utils import launch
 from course_utils.models import pipeline_mlp
-from course_utils.pipeline.run import pipeline_worker
+from course_utils.pipeline.parity import pipeline_worker
 
 # make test-floor runs these on the oldest torch too: batch_isend_irecv and ProcessGroup's send/recv
 pytestmark = [pytest.mark.floor]

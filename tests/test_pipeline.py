@@ -11,8 +11,9 @@ from course_utils.compat import pipelining_unsupported
 from course_utils.measure import worst
 from course_utils.models import pipeline_mlp
 from course_utils.pipeline import partition as partition_module
+from course_utils.pipeline.parity import pipeline_worker
 from course_utils.pipeline.partition import balanced_split, boundary_shapes, partition, time_costs
-from course_utils.pipeline.run import check_pipeline, pipeline_worker
+from course_utils.pipeline.run import check_pipeline
 from course_utils.pipeline.run import run_pipeline as _run_pipeline
 from course_utils.pipeline.simulate import schedule_order, simulate, theory_bubble
 

@@ -26,7 +26,7 @@ from course_utils.tensor_parallel.measure import (
     megatron_bytes_per_layer,
     ring_bytes,
 )
-from course_utils.tensor_parallel.run import gpt_parity, hidden_batch, parity_worker
+from course_utils.tensor_parallel.parity import gpt_parity, hidden_batch, parity_worker
 
 # make test-floor runs these on the oldest torch too: DTensor and parallelize_module
 pytestmark = [pytest.mark.floor]

@@ -12,7 +12,7 @@ from course_utils import launch
 from course_utils.compat import fsdp2_unsupported
 from course_utils.measure import worst
 from course_utils.zero import model_state_bytes
-from course_utils.zero.run import parity_many
+from course_utils.zero.parity import parity_many
 
 # make test-floor runs these on the oldest torch too: FSDP2, ZeroRedundancyOptimizer, reduce_scatter_tensor
 pytestmark = [pytest.mark.floor]

@@ -23,7 +23,7 @@ from torch import nn
 from ..launcher import launch
 from ..modelled import ModelledCompute, describe
 from ..models import pipeline_mlp
-from ..pipeline.run import pipeline_worker
+from ..pipeline.parity import pipeline_worker
 from ..pipeline.simulate import theory_bubble
 
 WIDTH, MICRO = 256, 32

@@ -22,7 +22,7 @@ from ..comm.counting import CommunicationMode
 from ..measure import worst as worst_of
 from ..models import pipeline_mlp
 from ..pipeline import p2p
-from ..pipeline.run import pipeline_worker
+from ..pipeline.parity import pipeline_worker
 from .common import fail, refuse_calls
 
 ALONE = (

@@ -329,7 +329,7 @@ def _stage3_memory_and_bytes(ctx, zero3_cls) -> None:
 
 def _stage3_parity(ctx, zero3_cls) -> None:
     """Three steps of the MLP, the tied and the frozen model, each equal to one process."""
-    from ..zero import run as zero_run
+    from ..zero import parity as zero_run
 
     n, r = ctx.world_size, ctx.rank
     for model_name, opt in (("mlp", "adam"), ("tied", "adam"), ("frozen", "sgd")):

@@ -5,7 +5,8 @@
 - :mod:`.comm`: the ring's batched point-to-point passes, Ulysses' all-to-alls, the all-gather;
 - :mod:`.ring`: :func:`ring_attention`, forward and backward (dK/dV back around the ring);
 - :mod:`.ulysses`: :func:`ulysses_attention` (sequence ↔ heads) and :func:`allgather_attention`;
-- :mod:`.apply`: :func:`apply_cp` on :class:`course_utils.models.GPT`, and its parity worker;
+- :mod:`.apply`: :func:`apply_cp` on :class:`course_utils.models.GPT`;
+- :mod:`.parity`: its parity worker against one process;
 - :mod:`.measure`: the values each method sends, per rank and layer.
 
 Taught in notebook 09.

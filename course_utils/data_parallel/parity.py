@@ -5,7 +5,8 @@ batch, and a single-process reference on the *whole* global batch (every rank co
 redundantly, so no extra process is needed). After every optimizer step the largest parameter
 difference is recorded. Mean-reduced losses and gradients averaged over equal shards make the
 two mathematically identical. Only the order of floating-point summation differs, so float64
-agrees to ~1e-12.
+agrees to ~1e-12. The loop itself is :func:`course_utils.parity.train_beside_reference`, shared by
+every technique's check.
 
 Ranks that do not behave alike (``rank_dependent=True``: the model's forward reads
 ``model.rank``) have a different reference: the mean over ranks of each rank's gradient on its
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from ..measure import max_abs_diff
+from ..parity import global_batches, train_beside_reference, whole_batch_loss
 
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
@@ -53,34 +55,27 @@ def parity_worker(
     """
     import torch.distributed as dist
 
-    torch.manual_seed(seed)
-    reference = make_model().to(ctx.device, dtype)
-    torch.manual_seed(seed)
-    model = wrap(make_model().to(ctx.device, dtype))
-    make_opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
-    opt_ref = make_opt(reference.parameters(), lr=lr)
-    opt = make_opt(model.parameters(), lr=lr)
-    inner = getattr(model, "module", model)
-    if rank_dependent:
-        inner.rank = dist.get_rank()
-    data = torch.Generator().manual_seed(seed + 1)  # the same global batches on every rank
-    finish = getattr(model, "finish_gradient_synchronization", lambda: None)
     n, r = dist.get_world_size(), dist.get_rank()
-    diffs = []
-    for _ in range(steps):
-        x = torch.randn(global_batch, in_features, generator=data, dtype=dtype).to(ctx.device)
-        y = torch.randint(classes, (global_batch,), generator=data).to(ctx.device)
-        opt_ref.zero_grad()
-        if rank_dependent:  # every rank's behaviour on its own shard, gradients averaged
-            for q in range(n):
-                reference.rank = q
-                loss = nn.functional.cross_entropy(reference(x.chunk(n)[q]), y.chunk(n)[q])
-                (loss / n).backward()
-        else:
-            nn.functional.cross_entropy(reference(x), y).backward()
-        opt_ref.step()
+    make_opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
 
-        xs, ys = x.chunk(n)[r], y.chunk(n)[r]  # this rank's shard: (global_batch / n, in_features)
+    def parallelize(copy):
+        model = wrap(copy)
+        if rank_dependent:
+            getattr(model, "module", model).rank = r
+        return model, make_opt(model.parameters(), lr=lr)
+
+    def reference_loss(reference, batch):
+        x, y = batch
+        if not rank_dependent:
+            return whole_batch_loss(reference, batch)
+        for q in range(n):  # every rank's behaviour on its own shard, gradients averaged
+            reference.rank = q
+            loss = nn.functional.cross_entropy(reference(x.chunk(n)[q]), y.chunk(n)[q])
+            (loss / n).backward()
+        return float("nan")  # no single loss: each rank's shard has its own
+
+    def train_step(model, opt, shard):
+        xs, ys = shard  # this rank's shard: (global_batch / n, in_features)
         opt.zero_grad()
         micro = list(zip(xs.chunk(accumulate), ys.chunk(accumulate)))
         for i, (xm, ym) in enumerate(micro):
@@ -93,7 +88,20 @@ def parity_worker(
             with ctx_mgr:
                 # weighted by its share of the shard's samples: right for uneven micro-batches
                 (nn.functional.cross_entropy(model(xm), ym) * len(xm) / len(xs)).backward()
-        finish()
+        getattr(model, "finish_gradient_synchronization", lambda: None)()
         opt.step()
-        diffs.append(max_param_diff(reference, inner))
-    return diffs
+
+    run = train_beside_reference(
+        lambda: make_model().to(ctx.device, dtype),
+        parallelize,
+        lambda model, reference: zip(
+            reference.parameters(), getattr(model, "module", model).parameters()
+        ),
+        global_batches(steps, global_batch, in_features, classes, dtype, ctx.device, seed + 1),
+        train_step,
+        shard=lambda batch: tuple(t.chunk(n)[r] for t in batch),
+        reference_loss=reference_loss,
+        reference_optimizer=lambda params: make_opt(params, lr=lr),
+        seed=seed,
+    )
+    return run.diffs

@@ -6,7 +6,7 @@
 - :mod:`.apply`: :func:`apply_ep` (dispatch, local experts, combine) and :func:`sync_gradients`
   for EP with data parallelism;
 - :mod:`.measure`: all-to-all volume and parameters total against active;
-- :mod:`.run` (imported on its own): the parity worker against one process.
+- :mod:`.parity` (imported on its own): the parity worker against one process.
 
 Taught in notebook 10.
 """

@@ -4,7 +4,9 @@
 - :mod:`.partition`: cut an ``nn.Sequential`` into balanced stages;
 - :mod:`.p2p`: what travels between neighbouring stages;
 - :mod:`.schedules`: naive / GPipe / 1F1B executed for real, one stage per rank;
-- :mod:`.run`: argument checks, the per-rank worker, ``torch.distributed.pipelining``.
+- :mod:`.run`: argument checks and the launch;
+- :mod:`.parity`: the per-rank worker (the course's schedules or ``torch.distributed.pipelining``)
+  beside one process.
 
 Taught in notebook 05.
 """

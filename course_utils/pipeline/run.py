@@ -1,4 +1,4 @@
-"""Launching a pipeline: checks before any process starts, the per-rank worker, and equivalence.
+"""Launching a pipeline: checks before any process starts, then the per-rank worker (:mod:`.parity`).
 
     from course_utils.pipeline.run import run_pipeline
     res = run_pipeline(pipeline_mlp, "1f1b", p=2, m=4)       # every rank: max |param diff| per step
@@ -14,18 +14,13 @@ reports how far each step's loss, the mean of its micro-batch losses, is from th
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
-from ..compat import pipeline_losses, pipeline_schedule, pipelining_unsupported
-from ..measure import max_abs_diff, synchronize
-from ..modelled import ModelledCompute, describe
-from .partition import boundary_shapes, check_sequential, partition
-from .schedules import RUNTIME_SCHEDULES, StageRunner, train_step
+from ..compat import pipelining_unsupported
+from .partition import check_sequential
+from .schedules import RUNTIME_SCHEDULES
 
 TORCH_SCHEDULES = ("torch_gpipe", "torch_1f1b", "torch_interleaved")
 
@@ -80,145 +75,6 @@ def check_pipeline(
         )
 
 
-def _torch_step(stages, schedule: str, m: int, x, y, loss_fn, first: bool, last: bool):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-    cls = {
-        "torch_gpipe": ScheduleGPipe,
-        "torch_1f1b": Schedule1F1B,
-        "torch_interleaved": ScheduleInterleaved1F1B,
-    }[schedule]
-    sched = pipeline_schedule(
-        cls, stages if schedule == "torch_interleaved" else stages[0], m, loss_fn
-    )
-    losses: list = []
-    if first and last:
-        sched.step(x, target=y, losses=losses)
-    elif first:
-        sched.step(x)
-    elif last:
-        sched.step(target=y, losses=losses)
-    else:
-        sched.step()
-    return pipeline_losses(sched, losses)
-
-
-def pipeline_worker(
-    ctx,
-    make_model: Callable[[], nn.Module],
-    schedule: str,
-    m: int,
-    steps: int = 2,
-    global_batch: int = 16,
-    d_in: int = 16,
-    classes: int = 4,
-    lr: float = 0.1,
-    dtype: torch.dtype = torch.float64,
-    seed: int = 0,
-    v: int = 1,
-    balance: str = "params",
-    compare: bool = True,
-    mailbox_cls=None,
-    compute: float | None = None,
-) -> dict:
-    """Train stage ``ctx.rank`` of the pipeline (under ``launch``); report equivalence, memory and time.
-
-    ``compute``: run the steps under :class:`~course_utils.modelled.ModelledCompute` at this many
-    TFLOP/s (products asleep, not computed: no parity then, ``compare`` must be False)."""
-    p, rank = ctx.world_size, ctx.rank
-    if compute is not None and compare:
-        raise ValueError(
-            "modelled compute returns zeros for every product: pass compare=False (check parity "
-            "in a run without it)"
-        )
-    modelled = ModelledCompute(tflops=compute) if compute is not None else contextlib.nullcontext()
-    torch.manual_seed(seed)
-    model = make_model().to(ctx.device, dtype)
-    reference = make_model().to(ctx.device, dtype) if compare else None
-    if reference is not None:
-        reference.load_state_dict(model.state_dict())
-    loss_fn = nn.functional.cross_entropy
-    data = torch.Generator().manual_seed(seed + 1)
-    micro = global_batch // m
-    sample = torch.zeros(micro, d_in, dtype=dtype, device=ctx.device)
-    chunks_per_rank = v if schedule == "torch_interleaved" else 1
-    bounds = partition(model, p * chunks_per_rank, by=balance, sample=sample)
-    my_chunks = [
-        rank + p * j for j in range(chunks_per_rank)
-    ]  # interleaved: rank r holds r, r+p, ...
-    modules = [nn.Sequential(*list(model)[a:b]) for a, b in (bounds[c] for c in my_chunks)]
-    params = [q for mod in modules for q in mod.parameters()]
-    opt = torch.optim.SGD(params, lr=lr)
-    opt_ref = torch.optim.SGD(reference.parameters(), lr=lr) if reference is not None else None
-    if schedule in RUNTIME_SCHEDULES:
-        shapes = boundary_shapes(model, bounds, sample)
-        runner = StageRunner(
-            modules[0],
-            rank,
-            p,
-            shapes[rank - 1] if rank else None,
-            shapes[rank],
-            dtype,
-            ctx.device,
-            loss_fn,
-            mailbox_cls=mailbox_cls,
-        )
-    else:
-        from torch.distributed.pipelining import PipelineStage
-
-        stages = [
-            PipelineStage(mod, c, p * chunks_per_rank, ctx.device)
-            for mod, c in zip(modules, my_chunks)
-        ]
-    diffs, loss_diffs, times, losses = [], [], [], []
-    for _ in range(steps):
-        x = torch.randn(global_batch, d_in, generator=data, dtype=dtype).to(ctx.device)
-        y = torch.randint(classes, (global_batch,), generator=data).to(ctx.device)
-        opt.zero_grad()
-        t0 = time.perf_counter()
-        with modelled:
-            if schedule in RUNTIME_SCHEDULES:
-                losses = train_step(runner, schedule, list(x.chunk(m)), list(y.chunk(m)))
-            else:
-                losses = _torch_step(stages, schedule, m, x, y, loss_fn, rank == 0, rank == p - 1)
-        opt.step()
-        synchronize(ctx.device)  # GPU kernels run asynchronously: the clock waits for them
-        times.append(time.perf_counter() - t0)
-        ctx.step()  # drives the profiler under launch(..., profile=...)
-        if reference is not None:
-            opt_ref.zero_grad()
-            ref_loss = loss_fn(reference(x), y)
-            ref_loss.backward()
-            opt_ref.step()
-            if (
-                rank == p - 1
-            ):  # the last stage saw every micro-batch's loss: their mean is the step's
-                loss_diffs.append(abs(sum(losses) / len(losses) - ref_loss.item()))
-            ref_layers = list(reference)
-            mine = [
-                q
-                for c in my_chunks
-                for layer in ref_layers[bounds[c][0] : bounds[c][1]]
-                for q in layer.parameters()
-            ]
-            diffs.append(max_abs_diff(zip(params, mine)))  # NaN if any is NaN
-    out = {
-        "diffs": diffs,
-        "loss_diffs": loss_diffs,
-        "step_s": times,
-        "losses": losses,
-        "bounds": bounds,
-        "modelled": describe(compute, ctx.backend) if compute is not None else None,
-    }
-    if schedule in RUNTIME_SCHEDULES:
-        out.update(
-            peak_held_bytes=runner.peak_held_bytes,
-            micro_bytes=max(runner.micro_bytes),
-            timings=runner.timings,  # per step: the schedule's span, this stage's busy and bubble
-        )
-    return out
-
-
 def run_pipeline(
     make_model,
     schedule: str,
@@ -237,6 +93,7 @@ def run_pipeline(
     """
     from ..launcher import launch
     from ..launcher.api import resolve_backend
+    from .parity import pipeline_worker
 
     check_pipeline(make_model, p, m, global_batch, v, schedule, world_size)
     kwargs = {"timeout": 300, "echo": False, **(launch_kwargs or {})}

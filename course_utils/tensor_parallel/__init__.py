@@ -7,7 +7,8 @@
 - :mod:`.apply`: :func:`apply_tp` shards a single-device model from a plan table
   (:func:`gpt_plan` for :class:`course_utils.models.GPT`);
 - :mod:`.measure`: collectives counted, bytes and activation memory against the papers;
-- :mod:`.run`: the parity worker and ``torch.distributed.tensor.parallel`` on the same model.
+- :mod:`.run`: ``torch.distributed.tensor.parallel`` on the same model, and :func:`shard_like`;
+- :mod:`.parity`: the parity worker against one process.
 
 Taught in notebook 06; the 3D notebook (07) reuses it.
 """

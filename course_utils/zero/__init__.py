@@ -8,8 +8,9 @@
   during backward);
 - :mod:`.stage3`: :class:`ShardedModel` (P_os+g+p; parameters gathered one unit at a time);
 - :mod:`.traffic`: the bytes each stage sends, counted where it calls a collective;
-- :mod:`.run`: the parity and memory workers for every stage, torch's ``ZeroRedundancyOptimizer``
-  and FSDP2, and the decision calculator.
+- :mod:`.run`: every stage, torch's ``ZeroRedundancyOptimizer`` and FSDP2 behind one ``wrap``, the
+  memory worker, and the decision calculator;
+- :mod:`.parity`: the parity worker for each of them against one process.
 
 Taught in notebook 08.
 """

@@ -1,10 +1,7 @@
 """Every way to shard data-parallel training, run on the same model and checked against one process.
 
-:func:`parity_worker` (run it under ``launch``) trains a model with one of :data:`METHODS` on this
-rank's slice of each global batch, and beside it a single-process reference on the whole batch.
-It returns, per step, the largest parameter difference, and at the end the model-state bytes
-this rank held (:func:`~.memory.count_model_states`) and the bytes it sent per step
-(:mod:`.traffic`; for the course's own stages).
+:func:`wrap` applies one of :data:`METHODS` to a model and its optimizer (:mod:`.parity` checks
+each against one process), and :func:`states_and_allocator` counts a method's bytes after a step.
 """
 
 from __future__ import annotations
@@ -14,8 +11,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import models
-from ..measure import max_abs_diff
-from . import traffic
 from .memory import count_model_states
 from .stage1 import ShardedOptimizer
 from .stage2 import ShardedGradientOptimizer
@@ -91,53 +86,6 @@ def wrap(method: str, model: nn.Module, optimizer: str, device: torch.device, un
     raise ValueError(f"method must be one of {METHODS}, not {method!r}")
 
 
-def parity_worker(
-    ctx,
-    method: str,
-    model: str = "mlp",
-    optimizer: str = "adam",
-    steps: int = 3,
-    global_batch: int = 16,
-    dtype: torch.dtype = torch.float64,
-    seed: int = 0,
-) -> dict:
-    """Train with ``method`` and, beside it, one process on the whole batch; see the module doc."""
-    n, r = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(seed)
-    reference = MODELS[model]().to(ctx.device, dtype)
-    torch.manual_seed(seed)
-    net = MODELS[model]().to(ctx.device, dtype)
-    cls, options = OPTIMIZERS[optimizer]
-    opt_ref = cls(reference.parameters(), **options)
-    call, opt, full = wrap(method, net, optimizer, ctx.device)
-    data = torch.Generator().manual_seed(seed + 1)  # the same global batches on every rank
-    diffs, sent = [], []
-    for _ in range(steps):
-        x = torch.randn(global_batch, 16, generator=data, dtype=dtype).to(ctx.device)
-        y = torch.randint(4, (global_batch,), generator=data).to(ctx.device)
-        opt_ref.zero_grad()
-        nn.functional.cross_entropy(reference(x), y).backward()
-        opt_ref.step()
-        with traffic.recording() as log:
-            loss = nn.functional.cross_entropy(call(x.chunk(n)[r]), y.chunk(n)[r])
-            loss.backward()
-            getattr(call, "finish_gradient_synchronization", lambda: None)()
-            opt.step()
-        states = count_model_states(call, opt)
-        opt.zero_grad()
-        sent.append(log.volume_bytes)
-        mine = full()
-        diffs.append(max_abs_diff((mine[k], p) for k, p in reference.named_parameters()))
-    psi = sum(p.numel() for p in reference.parameters() if p.requires_grad)
-    return {
-        "loss": float(loss),
-        "diffs": diffs,
-        "volume_per_psi": sent[-1] / (psi * torch.finfo(dtype).bits // 8),
-        "states": {k: states.bytes(k) for k in ("parameters", "gradients", "optimizer")},
-        "psi": psi,
-    }
-
-
 def states_and_allocator(
     ctx, method: str, model: str = "mlp", optimizer: str = "adam", dtype=torch.float64
 ) -> dict:
@@ -167,10 +115,3 @@ def states_and_allocator(
     states = count_model_states(call, opt)
     now = allocated_memory(ctx.device)
     return {"counted": states.total, "allocator": None if before is None else now - before}
-
-
-def parity_many(ctx, method: str, cases, steps: int = 3) -> list[dict]:
-    """:func:`parity_worker` for each ``(model, optimizer, dtype)`` of ``cases``, in one launch."""
-    return [
-        parity_worker(ctx, method, model=m, optimizer=o, dtype=d, steps=steps) for m, o, d in cases
-    ]

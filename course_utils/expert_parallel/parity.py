@@ -11,12 +11,11 @@ Taught in notebook 10.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 
-from ..measure import max_abs_diff, worst
+from ..measure import worst
+from ..parity import train_beside_reference
 from ..topology import ParallelDims
 from .apply import apply_ep, sync_gradients
 from .layer import MoEConfig, MoENet
@@ -40,44 +39,60 @@ def ep_parity_worker(ctx, cfg: MoEConfig, ep: int, tokens: int = 12, steps: int 
     groups = dims.build() if ep > 1 else None
     ep_group = groups.group("ep") if ep > 1 else None
     edp_group = groups.group("edp") if ep > 1 and dims.degree("edp") > 1 else None
-    torch.manual_seed(0)
-    ref = MoENet(cfg).double().to(ctx.device)
-    model = copy.deepcopy(ref)
-    if ep > 1:
-        apply_ep(model.moe, ep_group)
-    else:  # no expert parallelism: every rank holds every expert, a plain DP copy
+    if ep == 1:  # no expert parallelism: every rank holds every expert, a plain DP copy
         edp_group = dist.group.WORLD
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    out = {"loss": 0.0, "params": 0.0, "expert_rows": [], "dropped": 0}
-    for step in range(steps):
+
+    def parallelize(model):
+        if ep > 1:
+            apply_ep(model.moe, ep_group)
+        return model, torch.optim.SGD(model.parameters(), lr=lr)
+
+    def reference_loss(ref, step):  # the mean of every rank's loss on its own batch
+        batches = [rank_batch(cfg, r, step, tokens + r, ctx.device) for r in range(ctx.world_size)]
+        ref_loss = sum(ref.loss(*b) for b in batches) / ctx.world_size
+        ref_loss.backward()
+        return float(ref_loss)
+
+    def train_step(model, opt, step):
         x, y = rank_batch(cfg, ctx.rank, step, tokens + ctx.rank, ctx.device)  # uneven batches
         loss = model.loss(x, y)
         loss.backward()
         sync_gradients(model, None, edp_group, ctx.world_size)
-        out["expert_rows"].append(model.moe.stats.get("expert_rows") if ep > 1 else None)
-        out["dropped"] += int((~model.moe.routing.keep).sum())
+        rows = model.moe.stats.get("expert_rows") if ep > 1 else None
+        dropped = int((~model.moe.routing.keep).sum())
         total = loss.detach().clone()
         dist.all_reduce(total)
-        ref_loss = (
-            sum(
-                ref.loss(*rank_batch(cfg, r, step, tokens + r, ctx.device))
-                for r in range(ctx.world_size)
-            )
-            / ctx.world_size
-        )
-        ref_loss.backward()
-        out["loss"] = worst([out["loss"], abs(float(total) / ctx.world_size - float(ref_loss))])
-        opt.step(), opt_ref.step()
-        opt.zero_grad(), opt_ref.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        return float(total) / ctx.world_size, rows, dropped
+
+    run = train_beside_reference(
+        lambda: MoENet(cfg).double().to(ctx.device),
+        parallelize,
+        lambda model, ref: local_experts(model, ref, cfg),
+        range(steps),  # a step's batches come from rank_batch: every rank's, seeded by the step
+        train_step,
+        reference_loss=reference_loss,
+        reference_optimizer=lambda params: torch.optim.SGD(params, lr=lr),
+        reference_first=False,
+    )
+    return {
+        "loss": worst(abs(o[0] - ref) for o, ref in zip(run.outputs, run.reference_losses)),
+        "params": run.diffs[-1],
+        "expert_rows": [o[1] for o in run.outputs],
+        "dropped": sum(o[2] for o in run.outputs),
+    }
+
+
+def local_experts(model, ref, cfg: MoEConfig):
+    """``(parameter, reference parameter)`` pairs: the dense layers, and the experts this rank holds
+    (``experts.{local}`` here is ``experts.{global id}`` in the reference)."""
     mine = dict(model.named_parameters())
-    ids = getattr(model.moe, "expert_ids", range(cfg.n_experts))
+    ids = list(getattr(model.moe, "expert_ids", range(cfg.n_experts)))
     for name, p in ref.named_parameters():
         if ".experts." in name:
             idx = int(name.split(".experts.")[1].split(".")[0])
             if idx not in ids:
                 continue
-            local = list(ids).index(idx)
-            name = name.replace(f".experts.{idx}.", f".experts.{local}.")
-        out["params"] = worst([out["params"], max_abs_diff([(mine[name], p)])])
-    return out
+            name = name.replace(f".experts.{idx}.", f".experts.{ids.index(idx)}.")
+        yield mine[name], p
