@@ -28,7 +28,7 @@ help:
 	@echo "make student copies without solutions into build/student/ (exercises raise NotImplementedError)"
 	@echo "make answers copies with the model answers, markers removed, into build/answers/"
 	@echo "make test    unit + multi-process tests, then nbval over every notebook at the ci size"
-	@echo "make lint    ruff check + format check"
+	@echo "make lint    ruff check + format check + the package's import layers (.importlinter)"
 	@echo "make doctor  what this node has: GPUs, interconnect, working backends, chosen size"
 	@echo "make test-fast       the tests that are neither slow nor notebooks, at the ci size"
 	@echo "make test-floor      the version-dependent tests on the oldest torch supported (.venv-floor)"
@@ -91,7 +91,7 @@ answers: setup
 test: setup
 	COURSE_SIZE=$${COURSE_SIZE:-ci} COURSE_CHECK_DEVICES=1 $(PY) -m pytest tests notebooks -m "not contended" --nbval-lax --nbval-cell-timeout=600 --durations=40
 
-# The instructor's check of this node before a session (course_utils/preflight.py): doctor, an
+# The instructor's check of this node before a session (course_utils/tooling/preflight.py): doctor, an
 # all_reduce on every backend, the collective benchmark and every notebook at SIZE (default: gpu
 # when the notebooks' ranks would run on GPUs, one each or shared, else cpu). Report: $(PREFLIGHT_OUT)/preflight.md and .json.
 PREFLIGHT_OUT ?= build/preflight
@@ -133,6 +133,7 @@ test-floor:
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 format: setup
 	$(PY) -m ruff format .

@@ -1,3 +1,3 @@
 """The repository's pytest set-up: nbval runs each notebook with its student copy checked alongside."""
 
-pytest_plugins = ["course_utils.nbval_student"]
+pytest_plugins = ["course_utils.tooling.nbval_student"]

@@ -57,7 +57,7 @@ def _collectives_args(c: argparse.ArgumentParser) -> None:
 
 
 def _collectives_run(args) -> None:
-    from .profiling import collectives
+    from .bench import collectives
 
     run = functools.partial(
         collectives.run,
@@ -298,7 +298,7 @@ def _data_download(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.cmd == "doctor":
-        from . import doctor
+        from .tooling import doctor
 
         return doctor.main(as_json=args.json, run_checks=not args.no_checks)
     if args.cmd == "data":
@@ -307,15 +307,15 @@ def main(argv: list[str] | None = None) -> int:
         BENCHES[args.bench_cmd][2](args)
         return 0
     if args.cmd == "preflight":
-        from . import preflight
+        from .tooling import preflight
 
         return preflight.main(args.out, args.size, args.only, args.timeout)
     if args.cmd == "course":
-        from . import course
+        from .tooling import course
 
         return course.main(args.out, args.size, args.only, args.timeout)
     if args.cmd == "workspace":
-        from .workspace import prepare, report
+        from .tooling.workspace import prepare, report
 
         print(report(prepare(args.dir, args.kind)))
         print(
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.cmd == "copies":
-        from .exercises import write_copies
+        from .tooling.exercises import write_copies
 
         for path in write_copies(args.kind, args.out, args.src):
             print(path)

@@ -130,7 +130,7 @@ def _pick_device(topo: Topology, backend: str) -> tuple[str, torch.device, dict[
         and backend in ("auto", os.environ.get("COURSE_BACKEND"))
     ):
         return os.environ.get("COURSE_BACKEND", "gloo"), torch.device(placed), {}
-    where = placement.plan(
+    where = placement.place_ranks(
         topo.local_world_size,
         "auto" if backend == "auto" else backend,
         "cuda" if backend == "nccl" else "auto",

@@ -139,7 +139,7 @@ PRESETS: dict[str, Size] = {
 }
 
 
-# Where a plain ``launch`` would put n ranks (course_utils.launcher.placement.plan): the launcher
+# Where a plain ``launch`` would put n ranks (course_utils.launcher.place_ranks): the launcher
 # registers it on import, so that this bottom layer never imports the launcher (issue 39).
 _placement_of: Callable[[int], Any] | None = None
 

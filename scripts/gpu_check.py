@@ -408,7 +408,7 @@ def _md_table(header: list[str], rows: list[list]) -> str:
 def step_versions(out: Path) -> dict:
     import torch
 
-    from course_utils.launcher.placement import SHARING_NCCL, nccl_version, plan
+    from course_utils.launcher.placement import SHARING_NCCL, nccl_version, place_ranks
 
     gpu = torch.cuda.is_available()
     info = {
@@ -468,7 +468,7 @@ def step_versions(out: Path) -> dict:
     else:
         info["sharing"] = False
         lines.append("no CUDA GPU visible: every step runs on the CPU")
-    info["placement"] = {n: plan(n).describe() for n in (1, 2, 4, 8)}
+    info["placement"] = {n: place_ranks(n).describe() for n in (1, 2, 4, 8)}
     lines += [f"launch of {n}: {d}" for n, d in info["placement"].items()]
     packages = {}
     for name in ("nbclient", "ipykernel", "hta", "msgspec", "numpy", "matplotlib", "cloudpickle"):
@@ -527,7 +527,7 @@ def step_tests(out: Path) -> dict:
 
 
 def step_notebooks(out: Path) -> dict:
-    from course_utils.course import find_notebooks, notebook_number
+    from course_utils.tooling.course import find_notebooks, notebook_number
 
     cfg = _cfg()
     notebooks = find_notebooks(REPO / "notebooks", only=cfg.get("notebooks"))
@@ -588,7 +588,7 @@ def step_notebooks(out: Path) -> dict:
 
 def run_notebook(path: Path, out: Path) -> None:
     """One notebook in a fresh kernel (its own process: the notebooks step can kill it)."""
-    from course_utils.course import execute
+    from course_utils.tooling.course import execute
 
     progress = out / "notebooks" / f"{path.stem}.progress"
     status, seconds, error = execute(

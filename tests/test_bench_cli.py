@@ -61,7 +61,7 @@ def _one_rank_late(ctx, delay: float):
     soon as rank 1 joins it)."""
     import time
 
-    from course_utils.profiling import collectives
+    from course_utils.bench import collectives
 
     real = collectives._make_call
 

@@ -47,7 +47,7 @@ CELLS = [
     """import os, time
 import torch
 from course_utils import launch
-from course_utils.profiling import plots
+from course_utils.profiling import draw
 from course_utils.profiling.analysis import analyse
 from course_utils.profiling.trace import load_traces""",
     """def ticking(ctx, steps=8):
@@ -59,7 +59,7 @@ from course_utils.profiling.trace import load_traces""",
 
 res = launch(ticking, 2)
 print("finished", res.results)""",
-    f"""picker = plots.step_picker(analyse(load_traces({str(FIXTURES)!r})))""",
+    f"""picker = draw.step_picker(analyse(load_traces({str(FIXTURES)!r})))""",
     """def sleeper(ctx):
     pid_file = f"{ctx.run_dir}/../sleeper{ctx.rank}.pid"
     with open(pid_file + ".tmp", "w") as f:  # whole, then renamed: never read half written

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from course_utils import checks
-from course_utils.profiling import collectives
+from course_utils.bench import collectives
 from course_utils.profiling.analysis import classify_name, subtract, union
 from tests.checks_support import fails
 

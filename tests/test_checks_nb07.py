@@ -22,7 +22,7 @@ def coords(rank, dp, pp, tp):
 
 
 def links(dp, pp, tp, gpus_per_node):
-    from course_utils.topology import ParallelDims
+    from course_utils.parallel3d import ParallelDims
 
     d = ParallelDims(dp, pp, tp)
     return {
@@ -48,7 +48,7 @@ def test_07_typical_mistakes():
         return rank % dp, rank // dp % pp, rank // (dp * pp)
 
     def via_package(rank, dp, pp, tp):
-        from course_utils.topology import ParallelDims
+        from course_utils.parallel3d import ParallelDims
 
         return tuple(ParallelDims(dp, pp, tp).coords(rank))
 
@@ -107,7 +107,7 @@ def groups_listed_not_made(dp, pp, tp):  # the right ranks, but every group is t
 
 
 def groups_from_the_package(dp, pp, tp):
-    from course_utils.topology import ParallelDims
+    from course_utils.parallel3d import ParallelDims
 
     g = ParallelDims(dp, pp, tp).build()
     return {d: (g.group(d), g.ranks[d]) for d in ("tp", "pp", "dp")}

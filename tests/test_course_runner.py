@@ -5,7 +5,7 @@ from __future__ import annotations
 import nbformat
 import pytest
 
-from course_utils import course
+from course_utils.tooling import course
 
 pytestmark = pytest.mark.notebook
 

@@ -112,7 +112,7 @@ def test_notebooks_03_and_04_on_ranks_sharing_one_gpu(name, tmp_path, monkeypatc
     traces) on ranks that share one GPU, at the ci size."""
     from pathlib import Path
 
-    from course_utils.course import execute
+    from course_utils.tooling.course import execute
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setenv("COURSE_SIZE", "ci")

@@ -8,8 +8,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_utils.course import find_notebooks
-from course_utils.exercises import BEGIN, END, MarkupError, copy, exercises, write_copies
+from course_utils.tooling.course import find_notebooks
+from course_utils.tooling.exercises import BEGIN, END, MarkupError, copy, exercises, write_copies
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = find_notebooks(ROOT / "notebooks")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from course_utils.doctor import render
-from course_utils.gpu_diagnosis import (
+from course_utils.tooling.doctor import render
+from course_utils.tooling.gpu_diagnosis import (
     Diagnosis,
     Probe,
     diagnose,
@@ -297,7 +297,7 @@ def test_mi250x_rocm_build_runs_one_rank_per_gcd():
 
 
 def test_kernel_rules_of_cuda():
-    from course_utils.gpu_diagnosis import has_kernels, parse_arch
+    from course_utils.tooling.gpu_diagnosis import has_kernels, parse_arch
 
     assert parse_arch("sm_90a") == ("sm", (9, 0)) and parse_arch("compute_120") == (
         "compute",

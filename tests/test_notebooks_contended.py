@@ -14,7 +14,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from course_utils.course import find_notebooks
+from course_utils.tooling.course import find_notebooks
 
 # Not in `make test`: on CI's shared 2 cores a contended notebook can run for many minutes.
 # `make test-contended` runs it; its own limit is above NotebookClient's, so that the client times

@@ -14,13 +14,13 @@ from course_utils.measure import worst
 from course_utils.models import GPT, GPTConfig
 from course_utils.parallel3d import (
     GPTStage,
+    ParallelDims,
     batches,
     check_shape,
     compose_worker,
     stage_bounds,
     torch_compose_worker,
 )
-from course_utils.topology import ParallelDims
 
 # make test-floor runs these on the oldest torch too: DeviceMesh, pipelining and FSDP2 composed
 pytestmark = [pytest.mark.floor]

@@ -12,13 +12,13 @@ import torch
 from course_utils import dist as cdist
 from course_utils import sizes
 from course_utils.launcher import placement, resolve_backend
-from course_utils.launcher.placement import SHARE_ENV, plan
+from course_utils.launcher.placement import SHARE_ENV, place_ranks
 
 NEW, OLD = (2, 30, 7), (2, 27, 3)
 
 
 def node(world_size, gpus, nccl=NEW, env=None, **kw):
-    return plan(world_size, gpus=gpus, nccl=nccl, env=env or {}, rocm=False, **kw)
+    return place_ranks(world_size, gpus=gpus, nccl=nccl, env=env or {}, rocm=False, **kw)
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_sharing_can_be_switched_off():
 
 
 def test_rocm_does_not_share():
-    p = plan(4, gpus=1, nccl=(2, 30, 0), env={}, rocm=True)
+    p = place_ranks(4, gpus=1, nccl=(2, 30, 0), env={}, rocm=True)
     assert p.device_type == "cpu" and "RCCL" in p.reason
 
 
@@ -227,20 +227,20 @@ def test_no_rank_on_a_gpu_the_build_has_no_kernels_for():
     names the build that has its kernels and what that build's NCCL means; a T4 (sm_75) and an
     L4 (sm_89, through sm_86's cubin) are placed; device='cpu' still runs."""
     with pytest.raises(ValueError) as e:
-        plan(2, gpus=1, nccl=(2, 30, 7), env={}, rocm=False, capabilities=[(7, 0)],
+        place_ranks(2, gpus=1, nccl=(2, 30, 7), env={}, rocm=False, capabilities=[(7, 0)],
              arch_list=CU130)  # fmt: skip
     msg = str(e.value)
     assert "sm_70" in msg and "kernels for sm_75 to sm_120 only" in msg
     assert "TORCH_INDEX=https://download.pytorch.org/whl/cu126" in msg
     assert "older than 2.30" in msg and "device='cpu'" in msg
     for cap in ((7, 5), (8, 9)):
-        p = plan(2, gpus=2, nccl=(2, 30, 7), env={}, rocm=False, capabilities=[cap] * 2,
+        p = place_ranks(2, gpus=2, nccl=(2, 30, 7), env={}, rocm=False, capabilities=[cap] * 2,
                  arch_list=CU130)  # fmt: skip
         assert p.device_type == "cuda"
-    cpu = plan(2, device="cpu", gpus=1, nccl=(2, 30, 7), env={}, rocm=False,
+    cpu = place_ranks(2, device="cpu", gpus=1, nccl=(2, 30, 7), env={}, rocm=False,
                capabilities=[(7, 0)], arch_list=CU130)  # fmt: skip
     assert cpu.device_type == "cpu"
     # the cu126 build keeps Volta's kernels
-    old = plan(1, gpus=1, nccl=(2, 27, 3), env={}, rocm=False, capabilities=[(7, 0)],
+    old = place_ranks(1, gpus=1, nccl=(2, 27, 3), env={}, rocm=False, capabilities=[(7, 0)],
                arch_list=["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"])  # fmt: skip
     assert old.device_type == "cuda"

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from course_utils.comm_model import AlphaBeta
+from course_utils.comm.model import AlphaBeta
 from course_utils.models import GPT, Block, GPTConfig
 from course_utils.plan import (
     A100_80GB,

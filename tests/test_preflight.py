@@ -1,6 +1,6 @@
 """The pre-flight report: verdict first, what failed named, nothing hidden."""
 
-from course_utils.preflight import render
+from course_utils.tooling.preflight import render
 
 
 def report(**over):

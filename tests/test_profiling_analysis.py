@@ -212,19 +212,19 @@ def slower(events, factor):
 
 
 def test_plots_name_the_straggler_by_the_analysis_rule(tmp_path):
-    from course_utils.profiling import plots
+    from course_utils.profiling import draw
 
     write(tmp_path / "rank0.json", CPU_EVENTS, rank=0)
     write(tmp_path / "rank1.json", slower(CPU_EVENTS, 2.0), rank=1)
     a = analyse(load_traces(tmp_path))
     assert a.straggler() == 1
-    ax = plots.timeline(a)
+    ax = draw.timeline(a)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1 (straggler)"]
-    ax = plots.breakdown_bars(a)
+    ax = draw.breakdown_bars(a)
     assert "(straggler)" in ax.get_xticklabels()[1].get_text()
     assert "<- straggler" in a.table().splitlines()[3]  # rank 1's row
     balanced = analyse(load_traces(FIXTURES / "gpu_minimal"))  # 1 ms of 6: within the margin
-    ax = plots.timeline(balanced, [5])  # what the step picker draws for one step
+    ax = draw.timeline(balanced, [5])  # what the step picker draws for one step
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
     assert "straggler" not in balanced.table()
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from course_utils import launch
+from course_utils.bench import collectives as coll
 from course_utils.profiling import ProfileConfig
-from course_utils.profiling import collectives as coll
 from course_utils.profiling.analysis import analyse
 from course_utils.profiling.trace import load_traces, marker_skew_us
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from course_utils.course import find_notebooks
+from course_utils.tooling.course import find_notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "setup_env.py"

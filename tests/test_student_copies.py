@@ -1,7 +1,7 @@
 """Student copies fail at their exercise cells, with the exercise's message, and nowhere else.
 
 ``make test`` checks every notebook's student copy inside its nbval run (the plugin
-``course_utils.nbval_student``, loaded by the repository's conftest.py). Here: the plugin against
+``course_utils.tooling.nbval_student``, loaded by the repository's conftest.py). Here: the plugin against
 small notebooks written to break each rule, and one whole student copy executed as a student
 would, against what the plugin concluded for it.
 """
@@ -18,7 +18,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from course_utils.exercises import copy, exercises
+from course_utils.tooling.exercises import copy, exercises
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
@@ -100,7 +100,7 @@ def test_the_plugin_fails_what_a_student_copy_would(tmp_path):
         f"def pytest_sessionfinish(session):\n    open({str(report)!r}, 'w').write(json.dumps(results))\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "course_utils.nbval_student", "-p", "collect",
+        [sys.executable, "-m", "pytest", "-p", "course_utils.tooling.nbval_student", "-p", "collect",
          "--nbval-lax", "-p", "no:cacheprovider", "-q", "--rootdir", str(tmp_path), str(tmp_path)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"},
@@ -121,7 +121,7 @@ def test_the_plugin_fails_what_a_student_copy_would(tmp_path):
 def test_the_plugin_stands_aside_for_notebooks_without_exercises(tmp_path):
     nbformat.write(_notebook(["x = 1", "print(x)"]), tmp_path / "90_plain.ipynb")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "course_utils.nbval_student", "--nbval-lax",
+        [sys.executable, "-m", "pytest", "-p", "course_utils.tooling.nbval_student", "--nbval-lax",
          "-p", "no:cacheprovider", "-q", "--rootdir", str(tmp_path), str(tmp_path)],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(ROOT)},

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from course_utils import launch
-from course_utils.comm import CollectiveCounter
+from course_utils.comm import CollectiveCounter, ring_bytes
 from course_utils.measure import saved_activations
 from course_utils.models import GPT, MLP, Block, CausalSelfAttention, GPTConfig
 from course_utils.tensor_parallel import (
@@ -24,7 +24,6 @@ from course_utils.tensor_parallel.measure import (
     activation_bytes_per_layer,
     dropout_mask_bytes,
     megatron_bytes_per_layer,
-    ring_bytes,
 )
 from course_utils.tensor_parallel.parity import gpt_parity, hidden_batch, parity_worker
 

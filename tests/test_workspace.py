@@ -7,8 +7,8 @@ from pathlib import Path
 
 import nbformat
 
-from course_utils.exercises import BEGIN, END
-from course_utils.workspace import MANIFEST, prepare, report
+from course_utils.tooling.exercises import BEGIN, END
+from course_utils.tooling.workspace import MANIFEST, prepare, report
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -168,9 +168,9 @@ def test_decide_follows_the_lectures_rules():
     """decide() weighs memory (the planner's states and Korthikanti's activations) and time."""
     from dataclasses import replace
 
-    from course_utils.comm_model import AlphaBeta
+    from course_utils.comm.model import AlphaBeta
+    from course_utils.parallel3d.decide import decide, table
     from course_utils.plan import A100_80GB, GPT3_175B, Transformer, plan
-    from course_utils.zero.decide import decide, table
 
     small = Transformer(24, 2048, 16, 2048, 51200, 512, name="1.3B")
     r = decide(small, A100_80GB, 8)
@@ -217,8 +217,8 @@ def test_decide_counts_zero3s_gathered_layer():
     """ZeRO-3's states (FSDP as torchtitan keeps them): 16Ψ/n plus two layers gathered in bf16
     (the one computing and the one prefetched) and one layer's fp32 gradient, which can tip the
     memory however many GPUs share the rest."""
+    from course_utils.parallel3d.decide import decide
     from course_utils.plan import A100_80GB, Transformer
-    from course_utils.zero.decide import decide
 
     wide = Transformer(4, 40960, 320, 2048, 51200, 64, name="wide")
     r = decide(wide, A100_80GB, 64)

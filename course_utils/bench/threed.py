@@ -127,7 +127,7 @@ def calibrate(
 
 def cluster_of(cal: dict, world: int = WORLD) -> Cluster:
     """This machine as the planner sees it: one node of ``world`` ranks, the measured rate."""
-    from ..comm_model import AlphaBeta
+    from ..comm.model import AlphaBeta
 
     link = AlphaBeta(cal["alpha"], cal["beta"])
     return Cluster(gpus_per_node=world, memory_bytes=64e9, peak_flops=cal["flops_per_rank"],

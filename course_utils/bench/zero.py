@@ -81,7 +81,9 @@ def run(
     psi = sum(p.numel() for p in GPT(_config(c)).parameters())
     rows, backend, skipped = [], None, {}
     for n in world_sizes:
-        device_type = placement.plan(n, device=device).device_type  # where launch will put them
+        device_type = placement.place_ranks(
+            n, device=device
+        ).device_type  # where launch will put them
         if "fsdp2" in methods and fsdp2_unsupported(device_type):
             skipped["fsdp2"] = fsdp2_unsupported(device_type)
         methods_n = tuple(m for m in methods if m not in skipped)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..bench.collectives import OPS, bus_factor
 from ..comm import ring_factor
 from ..profiling.analysis import analyse, analyse_trace, union
-from ..profiling.collectives import OPS, bus_factor
 from ..profiling.trace import load_trace
 from .common import fail, passed, refuse_calls
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 from ..measure import worst as worst_of
-from ..topology import ParallelDims
+from ..parallel3d.dims import ParallelDims
 from .common import fail, passed, refuse_calls
 
 SHAPES = [(2, 2, 2), (2, 4, 2), (1, 1, 8), (8, 1, 1), (3, 2, 4), (2, 3, 1), (4, 2, 8), (1, 5, 3)]

@@ -17,7 +17,7 @@ broadcast      1          1                m
 ============== ========== ================ ===================
 
 A pipelined ring broadcast forwards the whole buffer through every rank, hence nccl-tests' bus
-factor of 1. Used by :mod:`course_utils.comm_model` (α-β times), the collective benchmark's bus
+factor of 1. Used by :mod:`course_utils.comm.model` (α-β times), the collective benchmark's bus
 bandwidth, tensor and expert parallelism's measured bytes and ZeRO's traffic.
 
     python -c "from course_utils.comm import ring_bytes; print(ring_bytes('all_reduce', 1e6, 8))"

@@ -50,7 +50,7 @@ from .comm import (
 
 
 @dataclass
-class Bucket:
+class GradBucket:
     params: list[nn.Parameter]
     ready: set[int] = field(default_factory=set)
     work: object | None = None
@@ -93,7 +93,7 @@ class BucketedDDP(nn.Module):
             for p in b.params
         ]
 
-    def _make_buckets(self, first_cap: float, cap_bytes: float) -> list[Bucket]:
+    def _make_buckets(self, first_cap: float, cap_bytes: float) -> list[GradBucket]:
         # tied weights appear once in parameters(); frozen ones never get a gradient
         params = [p for p in self.module.parameters() if p.requires_grad]
         buckets, current, size = [], [], 0
@@ -101,10 +101,10 @@ class BucketedDDP(nn.Module):
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= (first_cap if not buckets else cap_bytes):
-                buckets.append(Bucket(current))
+                buckets.append(GradBucket(current))
                 current, size = [], 0
         if current:
-            buckets.append(Bucket(current))
+            buckets.append(GradBucket(current))
         return buckets
 
     def forward(self, *args, **kwargs):
@@ -132,11 +132,11 @@ class BucketedDDP(nn.Module):
             self._next += 1
 
     @staticmethod
-    def _complete(bucket: Bucket) -> bool:
+    def _complete(bucket: GradBucket) -> bool:
         return len(bucket.ready) == len(bucket.params)
 
     @torch.no_grad()
-    def _launch(self, bucket: Bucket) -> None:
+    def _launch(self, bucket: GradBucket) -> None:
         n = len(bucket.params)
         if (
             bucket.buffer is None
@@ -192,4 +192,4 @@ class BucketedDDP(nn.Module):
             self.require_sync = previous
 
 
-__all__ = ["Bucket", "BucketedDDP"]
+__all__ = ["GradBucket", "BucketedDDP"]

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..measure import worst
+from ..parallel3d.dims import ParallelDims
 from ..parity import train_beside_reference
-from ..topology import ParallelDims
 from .apply import apply_ep, sync_gradients
 from .layer import MoEConfig, MoENet
 

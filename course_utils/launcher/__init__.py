@@ -4,9 +4,9 @@ from .. import sizes
 from .api import LaunchResult, launch, load_results, resolve_backend
 from .context import RankContext
 from .errors import LaunchError, LaunchInterrupted, RankFailedError, RankTimeoutError
-from .placement import plan as _plan
+from .placement import describe_placement, place_ranks
 
-sizes.use_placement(_plan)  # the size follows where the ranks would run
+sizes.use_placement(place_ranks)  # the size follows where the ranks would run
 
 __all__ = [
     "LaunchError",
@@ -15,7 +15,9 @@ __all__ = [
     "RankContext",
     "RankFailedError",
     "RankTimeoutError",
+    "describe_placement",
     "launch",
     "load_results",
+    "place_ranks",
     "resolve_backend",
 ]

@@ -117,9 +117,9 @@ def resolve_backend(
 ) -> tuple[str, str]:
     """``(backend, device_type)`` for ``world_size`` ranks on this node, or say what to change.
 
-    The whole answer, GPU per rank included, is :func:`.placement.plan`; this is its short form.
+    The whole answer, GPU per rank included, is :func:`.placement.place_ranks`; this is its short form.
     """
-    p = _placement.plan(world_size, backend, device)
+    p = _placement.place_ranks(world_size, backend, device)
     return p.backend, p.device_type
 
 
@@ -191,7 +191,7 @@ def launch(
     kwargs = {**kwargs, **(worker_kwargs or {})}
     if not timeout or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    where = _placement.plan(world_size, backend, device)
+    where = _placement.place_ranks(world_size, backend, device)
     _announce(where, backend, device)
     spec, name = build_spec(worker, kwargs, argv)
     if spec["kind"] == "script":

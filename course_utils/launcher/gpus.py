@@ -2,7 +2,7 @@
 
 ``launch`` refuses, before any process starts, to place ranks on a GPU this torch has no kernels
 for (a V100 under the cu130 build); ``python -m course_utils doctor``
-(:mod:`course_utils.gpu_diagnosis`) gives the same verdict from the same functions.
+(:mod:`course_utils.tooling.gpu_diagnosis`) gives the same verdict from the same functions.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ class Placement:
         )
 
 
-def plan(
+def place_ranks(
     world_size: int,
     backend: str = "auto",
     device: str = "auto",
@@ -260,13 +260,20 @@ def _with(p: Placement, reason: str) -> Placement:
     return Placement(p.world_size, p.backend, p.device_type, p.gpus, reason, p.nccl)
 
 
-def describe(world_size: int) -> str:
+def describe_placement(world_size: int) -> str:
     """Where ``world_size`` ranks of a plain ``launch`` would run on this node, in one line (or
     why ``launch`` would refuse)."""
     try:
-        return plan(world_size).describe()
+        return place_ranks(world_size).describe()
     except ValueError as e:
         return f"{world_size} ranks: launch refuses: {e}"
 
 
-__all__ = ["Placement", "plan", "describe", "nccl_version", "SHARE_ENV", "SHARING_NCCL"]
+__all__ = [
+    "Placement",
+    "place_ranks",
+    "describe_placement",
+    "nccl_version",
+    "SHARE_ENV",
+    "SHARING_NCCL",
+]

@@ -1,6 +1,6 @@
 """3D parallelism: data × pipeline × tensor parallel on one GPT, checked against one process.
 
-Each dimension runs over its own process group (:class:`~course_utils.topology.ParallelDims`):
+Each dimension runs over its own process group (:class:`~course_utils.parallel3d.dims.ParallelDims`):
 
 - **TP** (notebook 06): inside a pipeline stage, :func:`~course_utils.tensor_parallel.apply_tp`
   cuts every block's ``qkv``/``up`` column-wise and ``proj``/``down`` row-wise, the embedding by
@@ -22,12 +22,17 @@ whole batch, and compares every parameter shard with the same slice of the refer
 ``parallelize_module`` for TP, ``fully_shard`` (FSDP2) over DP, ``torch.distributed.pipelining``
 over PP. Taught in notebook 07; ``python -m course_utils bench 3d`` measures it.
 
+- :mod:`.dims`: :class:`ParallelDims`, rank → (dp, pp, tp) coordinates, groups and ``DeviceMesh``;
 - :mod:`.stages`: the blocks of each stage, :class:`GPTStage`, its TP plan, shape checks, batches;
 - :mod:`.step`: the course's own training step (schedule, DP average or ZeRO-1, optimizer);
 - :mod:`.parity`: :func:`compose_worker`, beside one process;
-- :mod:`.native`: :func:`torch_compose_worker`, torch's DeviceMesh, FSDP2 and pipelining.
+- :mod:`.native`: :func:`torch_compose_worker`, torch's DeviceMesh, FSDP2 and pipelining;
+- :mod:`.decide`: which parallelism to use (DDP, ZeRO/FSDP, TP, PP), the lectures' decision
+  summary with the planner's (:mod:`course_utils.plan`) memory and time (notebook 08).
 """
 
+from .decide import decide
+from .dims import Groups, ParallelDims
 from .native import torch_compose_worker, torch_stage_plan
 from .parity import compose_worker
 from .stages import GPTStage, batches, check_shape, make_stage, stage_bounds, stage_plan
@@ -36,10 +41,13 @@ from .step import DP_METHODS, average_gradients, modelled
 __all__ = [
     "DP_METHODS",
     "GPTStage",
+    "Groups",
+    "ParallelDims",
     "batches",
     "check_shape",
     "average_gradients",
     "compose_worker",
+    "decide",
     "make_stage",
     "modelled",
     "stage_bounds",

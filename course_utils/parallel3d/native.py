@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from ..measure import synchronize
 from ..models import GPT, GPTConfig
 from ..parity import train_beside_reference
-from ..topology import ParallelDims
+from .dims import ParallelDims
 from .parity import gpt_reference_loss, loss_diffs
 from .stages import GPTStage, batches, check_shape, dp_slice, make_stage
 

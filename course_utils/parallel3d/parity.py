@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from ..modelled import describe
 from ..models import GPT, GPTConfig
 from ..parity import train_beside_reference
-from ..topology import ParallelDims
+from .dims import ParallelDims
 from .stages import batches, check_shape
 from .step import DP_METHODS, course_groups, course_stage, course_step, loss_diff, stage_runner
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..models import GPT, GPTConfig
-from ..topology import ParallelDims
+from .dims import ParallelDims
 
 
 def stage_bounds(n_layers: int, pp: int) -> list[tuple[int, int]]:

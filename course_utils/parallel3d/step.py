@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from ..measure import synchronize
 from ..modelled import ModelledCompute
-from ..topology import Groups, ParallelDims
+from .dims import Groups, ParallelDims
 from .stages import GPTStage, dp_slice, make_stage, stage_plan
 
 DP_METHODS = ("ddp", "zero1")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..comm_model import AlphaBeta, fit
+from ..comm.model import AlphaBeta, fit
 
 
 def fit_link(report: dict, op: str = "all_reduce") -> AlphaBeta:
@@ -10,7 +10,7 @@ def fit_link(report: dict, op: str = "all_reduce") -> AlphaBeta:
 
     A ring on ``n`` ranks takes ``k(n-1)·α + k(n-1)/n · size/β`` (``k = 2`` for all-reduce, 1 for
     all-gather and reduce-scatter), so ``time / (k(n-1)) = α + (size/n)/β``: a straight line in
-    ``size/n``, fitted by least squares with :func:`course_utils.comm_model.fit`."""
+    ``size/n``, fitted by least squares with :func:`course_utils.comm.model.fit`."""
     steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
     if op not in steps:
         raise ValueError(f"fit_link inverts the ring formulas of {sorted(steps)}, not {op!r}")

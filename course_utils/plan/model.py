@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..comm_model import AlphaBeta
+from ..comm.model import AlphaBeta
 from ..zero import STAGES
 
 GB = 1e9

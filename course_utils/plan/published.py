@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..comm_model import AlphaBeta
+from ..comm.model import AlphaBeta
 from .layouts import Prediction, _divisors, best_of, plan, predict
 from .model import A100_80GB, H100_80GB, H800_80GB, Choice, Cluster, Transformer, flops_per_step
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 
 from ..comm.ledger import ring_factor, ring_steps
-from ..comm_model import AlphaBeta
+from ..comm.model import AlphaBeta
 from ..pipeline.simulate import theory_bubble
 from .model import Choice, Cluster, Transformer, flops_per_step, layers_per_stage
 

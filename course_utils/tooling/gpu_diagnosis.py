@@ -30,15 +30,15 @@ import subprocess
 import warnings
 from dataclasses import dataclass, field
 
-from .launcher.gpus import (
+from ..launcher.gpus import (
     OLD_GPU_INDEX,
     OLD_NCCL_NOTE,
     has_kernels,
     parse_arch,
 )
-from .launcher.gpus import kernel_range as _archs
-from .launcher.gpus import setup_command as _setup
-from .launcher.placement import nccl_version
+from ..launcher.gpus import kernel_range as _archs
+from ..launcher.gpus import setup_command as _setup
+from ..launcher.placement import nccl_version
 
 # The oldest driver each CUDA major release runs on (NVIDIA's CUDA toolkit release notes; a build
 # for CUDA M.x runs on any driver for M.0 or newer, by CUDA's minor-version compatibility).

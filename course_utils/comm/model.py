@@ -13,7 +13,7 @@ Every step of a ring waits for the slowest link in it, so ``β`` is the slowest 
 Small messages are latency-bound (the α term dominates), large ones bandwidth-bound. The message
 counts and byte factors come from :mod:`course_utils.comm.ledger`.
 
-    python -c "from course_utils.comm_model import AlphaBeta; print(AlphaBeta(5e-6, 20e9).all_reduce(1e8, 8))"
+    python -c "from course_utils.comm.model import AlphaBeta; print(AlphaBeta(5e-6, 20e9).all_reduce(1e8, 8))"
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .comm.ledger import ring_factor, ring_steps
+from .ledger import ring_factor, ring_steps
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ hidden behind backward where it can be. For rule 1 every micro-batch size and re
 from __future__ import annotations
 
 from ..plan import RECOMPUTE, Choice, Cluster, Transformer, best_of, plan, predict
-from .memory import STAGES
+from ..zero.memory import STAGES
 
 NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP"}
 FAST_LINK = 100e9  # bytes/s each way: NVLink class; PCIe 4.0 x16 gives about 25

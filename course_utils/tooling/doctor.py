@@ -22,15 +22,14 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from .compat import FLOOR, TESTED, older_than_floor
-from .compiling import compile_check
-from .cpus import cpu_budget
-from .data import DATASETS, data_root, load_dataset
+from ..compat import FLOOR, TESTED, older_than_floor
+from ..compiling import compile_check
+from ..cpus import cpu_budget
+from ..data import DATASETS, data_root, load_dataset
+from ..launcher import describe_placement, launch, place_ranks
+from ..launcher.rundir import runs_root
+from ..sizes import get_size, size_choice
 from .gpu_diagnosis import Diagnosis, diagnose, gather
-from .launcher import launch
-from .launcher.placement import describe, plan
-from .launcher.rundir import runs_root
-from .sizes import get_size, size_choice
 
 
 def _gpus() -> list[dict]:
@@ -122,7 +121,7 @@ def collect(run_checks: bool = True) -> dict:
         "interconnect": topo,
         "cpu_cores": budget.usable,
         "cpu": asdict(budget) | {"usable": budget.usable, "described": budget.describe()},
-        "placement": {n: describe(n) for n in (2, 4, 8)},
+        "placement": {n: describe_placement(n) for n in (2, 4, 8)},
         "backends": {
             "gloo": dist.is_gloo_available(),
             "nccl": dist.is_nccl_available(),
@@ -147,8 +146,8 @@ def collect(run_checks: bool = True) -> dict:
         if dist.is_gloo_available():
             info["checks"]["gloo"] = _check_backend("gloo", 2)
         if gpus and dist.is_nccl_available():
-            # two ranks: on two GPUs, or sharing one where NCCL allows it (placement.plan)
-            shareable = plan(2).device_type == "cuda"
+            # two ranks: on two GPUs, or sharing one where NCCL allows it (placement.place_ranks)
+            shareable = place_ranks(2).device_type == "cuda"
             info["checks"]["nccl"] = _check_backend("nccl", 2 if shareable else 1)
         info["compile"] = {"cpu": compile_check("cpu")}
         if gpus:

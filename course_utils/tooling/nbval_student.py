@@ -1,17 +1,17 @@
 """A pytest plugin for nbval: the student copy checked in the same run as the notebook itself.
 
 The repository's ``conftest.py`` loads it, so ``make test`` (``pytest tests notebooks --nbval-lax``)
-has it; elsewhere ``pytest -p course_utils.nbval_student --nbval-lax NOTEBOOK``.
+has it; elsewhere ``pytest -p course_utils.tooling.nbval_student --nbval-lax NOTEBOOK``.
 
 Each notebook runs once, top to bottom, as its source (the model answers in place). At each coding
 exercise cell, once the answer has passed, the student copy's version of the cell runs in the same
-kernel (``course_utils.exercises.copy``: the solution replaced by ``raise NotImplementedError``). It
+kernel (``course_utils.tooling.exercises.copy``: the solution replaced by ``raise NotImplementedError``). It
 must fail with that error, naming its exercise. Then every name the answer bound and the student
 version did not is put back as it was before the answer ran, and every name the student version
 rebound (its stub functions) stays. From there on the kernel holds what a student's kernel holds,
 so a later cell that uses what an exercise defines fails here, as it would in the student copy.
 What this cannot undo is an object the answer changed in place; the notebooks' rule is that
-exercises define functions and call their checks, nothing more (``course_utils/exercises.py``).
+exercises define functions and call their checks, nothing more (``course_utils/tooling/exercises.py``).
 
 ``tests/test_student_copies.py`` checks this plugin on notebooks written to fail it, and runs one
 whole student copy as a student would. ``COURSE_NBVAL_STUDENT=0`` turns it off.
@@ -51,7 +51,7 @@ def _student_cells(path: Path) -> dict[int, tuple[str, str]]:
     if key not in _STUDENT_CELLS:
         import nbformat
 
-        from course_utils.exercises import copy, exercises
+        from course_utils.tooling.exercises import copy, exercises
 
         nb = nbformat.read(path, as_version=4)
         student = copy(nb, path.stem, "student")

@@ -24,7 +24,7 @@ def _notebook_dir() -> Path:
     the copy a shared hub environment keeps in ``<venv>/share/distributed-course/notebooks``."""
     if os.environ.get("COURSE_NOTEBOOKS"):
         return Path(os.environ["COURSE_NOTEBOOKS"])
-    checkout = Path(__file__).resolve().parents[1] / "notebooks"
+    checkout = Path(__file__).resolve().parents[2] / "notebooks"
     if checkout.is_dir():
         return checkout
     return Path(sys.prefix) / "share" / "distributed-course" / "notebooks"
@@ -169,7 +169,7 @@ def main(
 ) -> int:
     if size:
         os.environ["COURSE_SIZE"] = size  # inherited by every kernel
-    from .sizes import get_size
+    from ..sizes import get_size
 
     notebooks = find_notebooks(only=only)
     if not notebooks:

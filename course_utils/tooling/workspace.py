@@ -3,7 +3,7 @@
 Opening a notebook marks it changed, and Jupyter's autosave writes outputs into it. If students
 opened the tracked ``notebooks/*.ipynb``, their clone would show changed files and the next
 ``git pull`` of a course update would conflict. So ``make lab`` opens copies instead: student
-copies (solutions removed, :mod:`course_utils.exercises`), or answer copies for an instructor.
+copies (solutions removed, :mod:`course_utils.tooling.exercises`), or answer copies for an instructor.
 
 ``make update`` (after ``git pull``) refreshes them without losing work. A copy whose cells the
 student has not changed (outputs do not count) is replaced by the new version. A copy the student
