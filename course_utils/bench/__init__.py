@@ -4,6 +4,8 @@ import os
 import platform
 import time
 
+from ..launcher import launch
+
 
 def provenance() -> dict:
     """Where and when a benchmark ran, as RESULTS.md records it: ``{"machine": ..., "date": ...}``."""
@@ -22,7 +24,6 @@ def alternating(worker, runs, rounds: int, **launch_kw) -> tuple[dict, dict, str
     backend of the multi-rank runs. ``launch_kw`` go to every launch; ``name`` is passed to
     the worker as ``name_kw``.
     """
-    from ..launcher import launch
 
     name_kw = launch_kw.pop("name_kw")
     samples = {key: [] for key in runs}

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm.ledger import OPS, ring_factor
+from ..launcher import launch
+from ..sizes import get_size
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -112,8 +114,6 @@ def run(
     world_size: int = 2, max_bytes: int | None = None, ops=OPS, iters: int = 10, **launch_kwargs
 ) -> dict:
     """Benchmark ``ops`` on ``world_size`` ranks of the backend ``launch`` picks; rank 0's report."""
-    from ..launcher import launch
-    from ..sizes import get_size
 
     sizes = message_sizes(max_bytes or get_size().max_message_bytes)
     res = launch(

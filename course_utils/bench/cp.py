@@ -24,6 +24,14 @@ import statistics
 
 import torch
 
+from ..comm import CollectiveCounter, ring_bytes
+from ..context_parallel import (
+    attention,
+    positions,
+    ring_attention,
+    ulysses_attention,
+    values_per_rank,
+)
 from ..measure import time_steps
 from . import alternating, provenance
 
@@ -34,8 +42,6 @@ METHODS = ("ring", "ring-zigzag", "ulysses")
 def step_worker(ctx, method: str, batch, heads, seq_len, head_dim, steps, warmup) -> dict:
     """Median seconds of one forward + backward of the attention core on this rank, and the values
     it sent in one (run under ``launch``)."""
-    from ..comm import CollectiveCounter, ring_bytes
-    from ..context_parallel import attention, positions, ring_attention, ulysses_attention
 
     n = ctx.world_size
     torch.manual_seed(ctx.rank)
@@ -63,7 +69,6 @@ def step_worker(ctx, method: str, batch, heads, seq_len, head_dim, steps, warmup
 
 def run(world_sizes=(2, 4), rounds: int = 3, device: str = "auto", **sizes) -> dict:
     """Every method at every ``P``, ``rounds`` times, alternating; plus one process."""
-    from ..context_parallel import values_per_rank
 
     cfg = {**DEFAULTS, **sizes}
     bad = [p for p in world_sizes if cfg["heads"] % p or cfg["seq_len"] % (2 * p)]

@@ -12,6 +12,8 @@ import time
 import torch
 from torch import nn
 
+from ..data_parallel import BucketedDDP
+from ..launcher import launch
 from . import provenance
 
 
@@ -34,8 +36,6 @@ def step_time_worker(
 ) -> float:
     """Median seconds per training step on this rank (run under ``launch``)."""
     from torch.nn.parallel import DistributedDataParallel
-
-    from ..data_parallel import BucketedDDP
 
     torch.manual_seed(0)
     net = _model(width, depth).to(ctx.device)
@@ -68,7 +68,6 @@ def step_time_worker(
 def run(world_size: int = 2, rounds: int = 5, device: str = "auto", **worker_kwargs) -> dict:
     """Alternate launches of ours and torch's ``rounds`` times; ``device`` goes to ``launch``
     (``"auto"``: GPUs, one each or shared, else CPU ranks), ``worker_kwargs`` to the worker."""
-    from ..launcher import launch
 
     samples: dict[str, list[float]] = {"ours": [], "torch": []}
     for i in range(rounds):

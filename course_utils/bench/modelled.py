@@ -25,6 +25,9 @@ from ..modelled import ModelledCompute, describe
 from ..models import pipeline_mlp
 from ..pipeline.parity import pipeline_worker
 from ..pipeline.simulate import theory_bubble
+from ..profiling import ProfileConfig
+from ..profiling.analysis import analyse
+from ..profiling.trace import load_traces
 
 WIDTH, MICRO = 256, 32
 PIPE_TFLOPS = 6.25e-5
@@ -74,14 +77,11 @@ def ddp_steps(ctx, slow_rank=None, slowdown=1.0, steps=5, bucket_cap_mb=1.0):
 
 def analysis(res):
     """Notebook 04's analysis of a launch's traces."""
-    from ..profiling.analysis import analyse
-    from ..profiling.trace import load_traces
 
     return analyse(load_traces(res.traces))
 
 
 def _profile():
-    from ..profiling import ProfileConfig
 
     return ProfileConfig(wait=1, warmup=1, active=3, tensorboard=False)
 

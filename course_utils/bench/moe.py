@@ -23,6 +23,8 @@ import statistics
 
 import torch
 
+from ..comm import AllToAllCounter, CollectiveCounter, ring_bytes
+from ..expert_parallel import MoE, MoEConfig, apply_ep
 from ..measure import time_steps
 from . import alternating, provenance
 
@@ -35,9 +37,6 @@ LR = 0.01
 def step_worker(ctx, way: str, d_model, n_experts, top_k, ffn_mult, tokens, steps, warmup) -> dict:
     """Median seconds per training step of the layer on this rank, values sent, rows per expert."""
     import torch.distributed as dist
-
-    from ..comm import AllToAllCounter, CollectiveCounter, ring_bytes
-    from ..expert_parallel import MoE, MoEConfig, apply_ep
 
     n = ctx.world_size
     cfg = MoEConfig(d_model=d_model, n_experts=n_experts, top_k=top_k, ffn_mult=ffn_mult)

@@ -25,8 +25,12 @@ import time
 
 import torch
 
+from ..comm.model import AlphaBeta
+from ..launcher import launch
 from ..measure import synchronize
+from ..modelled import describe
 from ..models import Block, GPTConfig
+from ..parallel3d import compose_worker
 from ..plan import Choice, Cluster, Transformer, fit_link, placement, predict, valid_choices
 from . import provenance
 
@@ -109,7 +113,6 @@ def calibrate(
 ) -> dict:
     """Measure this machine for the planner: a link's ``α``/``β`` and FLOP/s per rank (with
     ``tflops``, compute is modelled: the rate is the declared one and only the link is measured)."""
-    from ..launcher import launch
 
     c = {**DEFAULTS, **(c or {})}
     kw = {"device": device, "echo": False, "progress": False}
@@ -127,7 +130,6 @@ def calibrate(
 
 def cluster_of(cal: dict, world: int = WORLD) -> Cluster:
     """This machine as the planner sees it: one node of ``world`` ranks, the measured rate."""
-    from ..comm.model import AlphaBeta
 
     link = AlphaBeta(cal["alpha"], cal["beta"])
     return Cluster(gpus_per_node=world, memory_bytes=64e9, peak_flops=cal["flops_per_rank"],
@@ -153,7 +155,6 @@ def predicted(shape, c: dict, cluster: Cluster, device_type: str = "cpu"):
 def measure_worker(ctx, dp: int, pp: int, tp: int, tflops: float | None = None, **c) -> dict:
     """One layout trained for ``warmup + steps`` steps: this rank's median step and peak bytes
     (``tflops``: under modelled compute at that speed)."""
-    from ..parallel3d import compose_worker
 
     r = compose_worker(
         ctx, dp, pp, tp, cfg=_cfg(c), global_batch=c["global_batch"],
@@ -178,8 +179,6 @@ def run(
     (:class:`~course_utils.modelled.ModelledCompute`) at this many TFLOP/s per rank, and give the
     planner the same rate at full efficiency; only the link is calibrated, the communication and
     the schedule are real. Without it, compute is real and the planner gets the measured rate."""
-    from ..launcher import launch
-    from ..modelled import describe
 
     c = {**DEFAULTS, **sizes}
     cal = calibrate(c, device=device, tflops=tflops)

@@ -23,8 +23,10 @@ import statistics
 import torch
 from torch.nn import functional as F
 
+from ..launcher import launch
 from ..measure import saved_activations, time_steps
 from ..models import Block, GPTConfig
+from ..tensor_parallel.measure import activation_bytes_per_layer, dropout_mask_bytes
 from . import provenance
 
 PLAN = {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.up": "colwise", "mlp.down": "rowwise"}
@@ -104,7 +106,6 @@ def activation_worker(ctx, d_model: int, n_heads: int, seq_len: int, batch: int)
 def formula_bytes(t: int, d_model: int, n_heads: int, seq_len: int, batch: int, device) -> dict:
     """Table 2 for float32 activations and this device's dropout masks, and what it leaves out:
     each LayerNorm also keeps a mean and a 1/std per token (2 LayerNorms, replicated over ranks)."""
-    from ..tensor_parallel.measure import activation_bytes_per_layer, dropout_mask_bytes
 
     table2 = activation_bytes_per_layer(
         seq_len, batch, d_model, n_heads, t=t, act_bytes=4, mask_bytes=dropout_mask_bytes(device)
@@ -115,7 +116,6 @@ def formula_bytes(t: int, d_model: int, n_heads: int, seq_len: int, batch: int, 
 def run(world_sizes=(1, 2, 4), rounds: int = 5, device: str = "auto", **sizes) -> dict:
     """Time every ``t`` in ``world_sizes`` ``rounds`` times (alternating ours and torch); measure
     activation memory once per ``t``. Returns raw samples (ms), medians and ratios."""
-    from ..launcher import launch
 
     cfg = {**DEFAULTS, **sizes}
     bad = [t for t in world_sizes if t < 1 or cfg["n_heads"] % t]

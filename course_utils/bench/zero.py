@@ -21,7 +21,7 @@ import torch
 from torch.nn import functional as F
 
 from ..compat import fsdp2_unsupported
-from ..launcher import placement
+from ..launcher import launch, placement
 from ..measure import allocated_memory, time_steps
 from ..models import GPT, GPTConfig
 from ..zero import count_model_states, model_state_bytes, traffic
@@ -75,7 +75,6 @@ def step_worker(ctx, method: str, **c) -> dict:
 def run(
     world_sizes=(2, 4), rounds: int = 3, device: str = "auto", methods=METHODS, **sizes
 ) -> dict:
-    from ..launcher import launch
 
     c = {**DEFAULTS, **sizes}
     psi = sum(p.numel() for p in GPT(_config(c)).parameters())

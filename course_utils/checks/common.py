@@ -10,6 +10,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..comm.counting import BOOKKEEPING, NAMESPACES, Call, CommunicationMode
+from ..launcher import RankFailedError, launch
 
 
 class ExerciseError(AssertionError):
@@ -125,7 +126,6 @@ def launch_check(number: str, worker, world_size: int, **kwargs):
     A student copy's ``NotImplementedError`` and a check's :class:`ExerciseError` raised inside a
     rank come back as themselves, with the rank named, instead of as a launcher error.
     """
-    from ..launcher import RankFailedError, launch
 
     try:
         return launch(worker, world_size, echo=False, **kwargs)

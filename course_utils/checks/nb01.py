@@ -8,6 +8,7 @@ from torch import nn
 
 from ..measure import max_abs_diff, saved_activations
 from ..models import FrozenMLP, ToyMLP
+from ..zero.memory import count_model_states
 from .common import RefuseTorch, fail, passed, refuse_calls
 
 
@@ -84,7 +85,6 @@ HINTS = {
 
 def check_state_bytes(state_bytes) -> None:
     """Exercise 01.1: ``state_bytes(model, optimizer) -> {"parameters", "gradients", "optimizer"}``."""
-    from ..zero.memory import count_model_states
 
     cases = _cases()
     message = (

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..launcher import LaunchError, RankTimeoutError
 from ..measure import max_abs_diff
 from ..models import ToyMLP
 from .common import (
@@ -348,7 +349,6 @@ def check_train_with_uneven_data(train_with_uneven_data, timeout: float = 60) ->
     """Exercise 03b.2: ``train_with_uneven_data(model, optimizer, batches) -> steps``: every rank
     trains until the last rank runs out of batches; each step's gradient is the mean over the ranks
     that still had a batch, and every rank takes it: equal to one process, without Join or DDP."""
-    from ..launcher import LaunchError, RankTimeoutError
 
     for lengths in ((3, 5), (4, 4), (6, 2, 4), (1, 3, 2)):
         try:

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..bench.collectives import OPS, bus_factor
 from ..comm import ring_factor
-from ..profiling.analysis import analyse, analyse_trace, union
+from ..profiling.analysis import analyse, analyse_trace, classify_name, union
 from ..profiling.trace import load_trace
 from .common import fail, passed, refuse_calls
 
@@ -99,7 +99,6 @@ def _write(path: Path, events) -> Path:
 
 
 def _comm_total_ms(trace, k) -> float:
-    from ..profiling.analysis import classify_name
 
     _, s0, s1 = trace.steps[k]
     comm = np.array([classify_name(n) == "communication" for n in trace.names])[trace.name_id]

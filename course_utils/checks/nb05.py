@@ -6,9 +6,11 @@ from __future__ import annotations
 import itertools
 import random
 
+from ..launcher import RankTimeoutError
 from ..pipeline.partition import balanced_split, partition
 from ..pipeline.simulate import schedule_order
-from .common import fail, passed, refuse_calls
+from .common import ExerciseError, fail, launch_check, passed, refuse_calls
+from .nb05_mailbox import mailbox_cases
 
 
 def _as_pairs(actions) -> list[tuple[str, int]]:
@@ -130,9 +132,6 @@ def check_mailbox(mailbox_cls, timeout: float = 60) -> None:
     every point-to-point operation watched: each send leaves in one ``batch_isend_irecv`` with the
     stage's next receive (or with ``flush``), never on its own, and every send has completed when
     ``wait_all`` returns."""
-    from ..launcher import RankTimeoutError
-    from .common import ExerciseError, launch_check
-    from .nb05_mailbox import mailbox_cases
 
     for p, cases in ((2, [("1f1b", 4), ("1f1b", 1)]), (3, [("1f1b", 5), ("gpipe", 3)])):
         try:

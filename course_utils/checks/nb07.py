@@ -6,7 +6,10 @@ from __future__ import annotations
 import itertools
 
 from ..measure import worst as worst_of
+from ..parallel3d import compose_worker
 from ..parallel3d.dims import ParallelDims
+from ..plan import layouts
+from . import common
 from .common import fail, passed, refuse_calls
 
 SHAPES = [(2, 2, 2), (2, 4, 2), (1, 1, 8), (8, 1, 1), (3, 2, 4), (2, 3, 1), (4, 2, 8), (1, 5, 3)]
@@ -69,7 +72,6 @@ def check_links(links) -> None:
 
 
 def _check_links(links) -> None:
-    from ..plan import layouts
 
     cases = list(itertools.product((1, 2, 4), (1, 2, 4), (1, 2, 4, 8), (4, 8)))
     cases += [(2, 1, 3, 4), (3, 1, 2, 4), (1, 3, 2, 4)]  # groups that straddle a node boundary
@@ -106,8 +108,6 @@ BUILT_FOR_YOU = (
 def _groups_worker(ctx, build_groups, shapes):
     import torch
     import torch.distributed as dist
-
-    from ..parallel3d import compose_worker
 
     r = ctx.rank
 
@@ -153,7 +153,6 @@ def check_groups(build_groups) -> None:
     """Exercise 07.3: ``build_groups(dp, pp, tp) -> {"tp": (group, ranks), "pp": ..., "dp": ...}``:
     this rank's three process groups, every group of every dimension created by every rank in the
     same order; checked on 8 ranks in several shapes, then used to train the 3D composition."""
-    from . import common
 
     shapes = [(2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 4, 1)]
     common.launch_check(

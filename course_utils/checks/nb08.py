@@ -14,6 +14,8 @@ from ..measure import max_abs_diff
 from ..measure import worst as worst_of
 from ..models import ToyMLP
 from ..zero import flat as zero_flat
+from ..zero import parity as zero_run
+from ..zero import stage1, stage3
 from .common import ExerciseError, fail, launch_check, no_store, passed, refuse_calls
 
 
@@ -134,7 +136,6 @@ def _judge_stage1_params(where, r, n, step, params, reference, before, stale) ->
 def _stage1_worker(ctx, zero1_step, steps: int = 3):
     """One rank of check 08.2: ``steps`` steps of ``zero1_step`` on its own data, each against one
     process on the global batch, with its collectives counted."""
-    from ..zero import stage1
 
     n, r = ctx.world_size, ctx.rank
     reference, model, params, bucket, flat_params, shard = _stage1_models(ctx)
@@ -214,8 +215,6 @@ def _gradient_units(units) -> int:
 def _no_fsdp():
     from torch.distributed import fsdp
 
-    from .common import refuse_calls
-
     return refuse_calls("08.3", [fsdp.fully_shard, fsdp.FullyShardedDataParallel], FSDP)
 
 
@@ -248,8 +247,6 @@ class _Stage3Errors:
 def _stage3_guard(r) -> contextlib.ExitStack:
     """The package's stage 3 and torch's FSDP refused, and the two typical torch errors
     translated into hints (that one exits first: it sees the student's errors raw)."""
-    from ..zero import stage3
-    from .common import refuse_calls
 
     guard = contextlib.ExitStack()
     guard.enter_context(refuse_calls("08.3", [stage3.ShardedModel, stage3.Unit], PACKAGE_STAGE3))
@@ -329,7 +326,6 @@ def _stage3_memory_and_bytes(ctx, zero3_cls) -> None:
 
 def _stage3_parity(ctx, zero3_cls) -> None:
     """Three steps of the MLP, the tied and the frozen model, each equal to one process."""
-    from ..zero import parity as zero_run
 
     n, r = ctx.world_size, ctx.rank
     for model_name, opt in (("mlp", "adam"), ("tied", "adam"), ("frozen", "sgd")):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..cpus import threads_per_rank
+
 
 @dataclass
 class RankContext:
@@ -110,6 +112,5 @@ def read_status(path: Path) -> tuple[str, int, int | None] | None:
 def cpu_threads_per_rank(local_world_size: int) -> int:
     """Usable cores (affinity mask and cgroup CPU quota, :mod:`course_utils.cpus`), split evenly
     between the ranks on the node (at least 1)."""
-    from ..cpus import threads_per_rank
 
     return threads_per_rank(local_world_size)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .context import cpu_threads_per_rank
 from .gpus import refuse_without_kernels
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -110,7 +111,6 @@ class Placement:
 
     def describe(self) -> str:
         """One line: where the ranks run and why (the notebooks' hardware cells print it)."""
-        from .context import cpu_threads_per_rank
 
         n, r = self.world_size, "rank" if self.world_size == 1 else "ranks"
         if self.device_type == "cpu":

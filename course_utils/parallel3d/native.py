@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from ..compat import fsdp2_unsupported, pipeline_losses, pipeline_schedule, pipelining_unsupported
 from ..measure import synchronize
 from ..models import GPT, GPTConfig
 from ..parity import train_beside_reference
@@ -48,8 +49,6 @@ def torch_stage(ctx, full, dims: ParallelDims, mesh, micro_batches: int, schedul
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from ..compat import pipeline_schedule
-
     me = dims.coords(ctx.rank)
     stage = make_stage(full, dims, me.pp)
     if dims.tp > 1:
@@ -71,7 +70,6 @@ def torch_stage(ctx, full, dims: ParallelDims, mesh, micro_batches: int, schedul
 def torch_step(ctx, parallel, opt, batch, dims: ParallelDims) -> dict:
     """One timed step of the pipelining schedule on this DP replica's slice of ``batch``; the
     last stage's micro-batch losses."""
-    from ..compat import pipeline_losses
 
     stage, sched, me = parallel.stage, parallel.sched, dims.coords(ctx.rank)
     mx, my = dp_slice(batch[0], dims, me.dp), dp_slice(batch[1], dims, me.dp)
@@ -113,7 +111,6 @@ def torch_compose_worker(
     ``mesh["dp"]`` on every block and the stage, and a ``torch.distributed.pipelining`` schedule
     over ``mesh["pp"]``. Compares every parameter (gathered with ``full_tensor``) and the loss with
     one process."""
-    from ..compat import fsdp2_unsupported, pipelining_unsupported
 
     for why in (fsdp2_unsupported(ctx.device.type), pipelining_unsupported(schedule, ctx.backend)):
         if why:

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from ..modelled import describe
 from ..models import GPT, GPTConfig
 from ..parity import train_beside_reference
+from ..tensor_parallel.run import shard_like
 from .dims import ParallelDims
 from .stages import batches, check_shape
 from .step import DP_METHODS, course_groups, course_stage, course_step, loss_diff, stage_runner
@@ -72,7 +73,6 @@ def compose_worker(
     only (``reference`` must be False; check parity in a run without it). The result's
     ``"modelled"`` says so.
     """
-    from ..tensor_parallel.run import shard_like
 
     check_compose_args(dp_method, compute, reference)
     cfg = cfg or GPTConfig(vocab=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..models import GPT, GPTConfig
+from ..tensor_parallel import gpt_plan
 from .dims import ParallelDims
 
 
@@ -60,7 +61,6 @@ class GPTStage(nn.Module):
 def stage_plan(first: bool, last: bool) -> dict[str, str]:
     """Megatron's GPT plan (:func:`~course_utils.tensor_parallel.gpt_plan`) for one stage: the
     embedding row only on the first stage, the head only on the last."""
-    from ..tensor_parallel import gpt_plan
 
     plan = gpt_plan()
     if not first:

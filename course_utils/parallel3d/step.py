@@ -12,6 +12,9 @@ from torch.nn import functional as F
 
 from ..measure import synchronize
 from ..modelled import ModelledCompute
+from ..pipeline.schedules import StageRunner, train_step
+from ..tensor_parallel import apply_tp, vocab_parallel_cross_entropy
+from ..zero import ShardedOptimizer, count_model_states
 from .dims import Groups, ParallelDims
 from .stages import GPTStage, dp_slice, make_stage, stage_plan
 
@@ -53,8 +56,6 @@ def course_stage(full, groups: Groups, dp_method: str, lr: float):
     """This rank's stage of ``full``, cut by TP over its group, its trained parameters and its
     optimizer: SGD, or
     ZeRO-1's :class:`~course_utils.zero.ShardedOptimizer` over the DP group."""
-    from ..tensor_parallel import apply_tp
-    from ..zero import ShardedOptimizer
 
     dims = groups.dims
     stage = make_stage(full, dims, groups.coords.pp)
@@ -73,8 +74,6 @@ def course_stage(full, groups: Groups, dp_method: str, lr: float):
 def stage_runner(stage: GPTStage, groups: Groups, cfg, micro: int, dtype, device):
     """The schedule's runtime for ``stage`` over the PP group, micro-batches of ``micro``
     sequences; its loss is the vocabulary-parallel cross-entropy under TP (never gathers logits)."""
-    from ..pipeline.schedules import StageRunner
-    from ..tensor_parallel import vocab_parallel_cross_entropy
 
     def loss_fn(logits, y):  # logits (b, T, V/t)
         if groups.dims.tp > 1:
@@ -94,8 +93,6 @@ def course_step(ctx, parallel, opt, groups: Groups, batch, schedule: str, dp_met
     optimizer. ``parallel``: this rank's ``stage``, its trained ``params`` and its ``runner``
     (:func:`stage_runner`). Returns the micro-batch losses, the model states held at the step's peak, and the
     wall and CPU seconds."""
-    from ..pipeline.schedules import train_step
-    from ..zero import count_model_states
 
     dims, me = groups.dims, groups.coords
     mx, my = (dp_slice(t, dims, me.dp) for t in batch)

@@ -19,6 +19,9 @@ from collections.abc import Callable
 from torch import nn
 
 from ..compat import pipelining_unsupported
+from ..launcher import launch
+from ..launcher.api import resolve_backend
+from .parity import pipeline_worker
 from .partition import check_sequential
 from .schedules import RUNTIME_SCHEDULES
 
@@ -91,9 +94,6 @@ def run_pipeline(
 
     ``world_size``, when given, must equal ``p``: one stage per rank.
     """
-    from ..launcher import launch
-    from ..launcher.api import resolve_backend
-    from .parity import pipeline_worker
 
     check_pipeline(make_model, p, m, global_batch, v, schedule, world_size)
     kwargs = {"timeout": 300, "echo": False, **(launch_kwargs or {})}

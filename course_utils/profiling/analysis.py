@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .trace import MARKER, STEP, Trace
+from .trace import MARKER, STEP, Trace, align
 
 CLASSES = ("compute", "memory", "communication", "data", "optimizer", "idle")
 COMM = re.compile(r"^(gloo:|nccl:|c10d::|record_param_comms|nccl[A-Z]|ncclDevKernel|ncclKernel)")
@@ -433,7 +433,6 @@ class Analysis:
 
 def analyse(traces: dict[int, Trace], parallel: bool | None = None) -> Analysis:
     """Align the ranks' clocks and break every step of every rank down (in parallel when large)."""
-    from .trace import align
 
     clock = align(traces)
     events = sum(len(t.start) for t in traces.values())

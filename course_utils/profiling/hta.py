@@ -21,6 +21,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from .trace import load_trace
+
 
 def summary(traces: dict[int, Path]) -> dict:
     """HTA's temporal breakdown and communication/computation overlap of ``traces`` (rank -> path),
@@ -29,7 +31,6 @@ def summary(traces: dict[int, Path]) -> dict:
         from hta.trace_analysis import TraceAnalysis
     except ImportError:
         return {"why": "HolisticTraceAnalysis is not installed (pip install HolisticTraceAnalysis)"}
-    from .trace import load_trace
 
     if not any(load_trace(p).has_gpu for p in traces.values()):
         return {

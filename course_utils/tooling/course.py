@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..sizes import get_size
+
 
 def _notebook_dir() -> Path:
     """The course's notebooks: ``$COURSE_NOTEBOOKS``, else the checkout's ``notebooks/``, else
@@ -169,7 +171,6 @@ def main(
 ) -> int:
     if size:
         os.environ["COURSE_SIZE"] = size  # inherited by every kernel
-    from ..sizes import get_size
 
     notebooks = find_notebooks(only=only)
     if not notebooks:

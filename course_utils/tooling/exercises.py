@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .course import NOTEBOOK_DIR, find_notebooks
+
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 TITLE = re.compile(r"^#\s*Exercise\s+(\d\d[a-z]?\.\d+)\s*:\s*(.+?)\s*$")
 ANSWER_HERE = "*Your answer here.*"
@@ -164,8 +166,6 @@ def copy(nb, name: str, kind: str):
 def write_copies(kind: str, out: str | Path, src: str | Path | None = None) -> list[Path]:
     """Write a ``kind`` copy of every numbered notebook in ``src`` into ``out``; return the paths."""
     import nbformat
-
-    from .course import NOTEBOOK_DIR, find_notebooks
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

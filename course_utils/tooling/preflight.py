@@ -25,10 +25,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..bench import collectives
+from ..sizes import default_size_name, get_size
+from . import course, doctor
+
 
 def _collectives(world_size: int) -> dict:
-    from ..bench import collectives
-    from ..sizes import get_size
 
     t0 = time.perf_counter()
     try:
@@ -51,8 +53,6 @@ def _collectives(world_size: int) -> dict:
 def run(out: str | Path, size: str, only: list[str] | None = None, timeout: int = 1800) -> dict:
     """Run every step; write the report; return it as a dict."""
     os.environ["COURSE_SIZE"] = size  # the kernels and ranks inherit it
-    from ..sizes import get_size
-    from . import course, doctor
 
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -202,7 +202,6 @@ def render(r: dict) -> str:
 
 
 def main(out: str, size: str | None, only: list[str] | None, timeout: int) -> int:
-    from ..sizes import default_size_name
 
     report = run(out, size or default_size_name(), only, timeout)
     return 0 if report["verdict"] == "PASS" else 1

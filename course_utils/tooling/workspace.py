@@ -23,6 +23,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .course import NOTEBOOK_DIR, find_notebooks
+from .exercises import copy
+
 MANIFEST = ".copies.json"
 
 
@@ -52,9 +55,6 @@ def cells_digest(nb) -> str:
 def prepare(work: str | Path, kind: str = "student", src: str | Path | None = None) -> list[Change]:
     """Create or refresh the working copies in ``work``; return what happened to each notebook."""
     import nbformat
-
-    from .course import NOTEBOOK_DIR, find_notebooks
-    from .exercises import copy
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ from torch import nn
 from course_utils.compat import fsdp2_unsupported
 from course_utils.train import common, ddp
 from course_utils.zero import ShardedGradientOptimizer, ShardedOptimizer
+from course_utils.zero.run import cpu_or_device_mesh
 
 METHODS = ("fsdp2", "zero1", "zero2")
 
@@ -39,8 +40,6 @@ class FSDP2Strategy(ddp.DDPStrategy):
 
     def build(self, net, ctx, args):
         from torch.distributed.fsdp import fully_shard
-
-        from course_utils.zero.run import cpu_or_device_mesh
 
         why = fsdp2_unsupported(ctx.device.type)
         if why:

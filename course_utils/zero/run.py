@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import models
+from ..measure import allocated_memory, synchronize
 from .memory import count_model_states
 from .stage1 import ShardedOptimizer
 from .stage2 import ShardedGradientOptimizer
@@ -97,8 +98,6 @@ def states_and_allocator(
     gradients unless ``gradient_as_bucket_view=True``) and 512-byte rounding. Notebook 08 prints
     both."""
     import gc
-
-    from ..measure import allocated_memory, synchronize
 
     n, r = dist.get_world_size(), dist.get_rank()
     gc.collect()  # a previous method's wrappers hold reference cycles (hooks): free them first
