@@ -10,8 +10,9 @@ loads under any other, because the names and global shapes are the single-device
 layout             what rank ``r`` holds
 =================  ===================================================================
 :func:`replicated`  every tensor whole (DDP; saved once, by rank 0: the save deduplicates)
-:func:`zero`        a flat stretch ``[r·S, (r+1)·S)`` of each bucket (ZeRO-1/2: optimizer state;
-                    ZeRO-3: parameters too), which may cut a parameter anywhere
+:func:`zero`        a flat stretch ``[r·S, (r+1)·S)`` of each bucket, parameters and optimizer
+                    state, which may cut a parameter anywhere (ZeRO-1/2: then
+                    :func:`zero_after_load` all-gathers the full parameters)
 :func:`fsdp2`       dim-0 rows of every DTensor (``Shard(0)``), via ``to_local()``
 :func:`tensor_parallel`  column layers' output rows, row layers' input columns, the rest whole
 :func:`pipeline_stage`   its own layers, whole, renamed to their index in the full model
@@ -32,6 +33,7 @@ from torch import nn
 
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..zero.flat import Bucket
+from ..zero.stage1 import all_gather_shards
 from .sharded import Slice
 
 Pairs = list[tuple[Slice, torch.Tensor]]
@@ -209,6 +211,18 @@ def zero(model: nn.Module, optimizer, rank: int) -> Pairs:
         shards = [s for group in optimizer.shards for s in group]
         pairs = [_bucket_pairs(b, s, names, rank, optimizer.optim) for b, s in zip(buckets, shards)]
     return [pair for bucket in pairs for pair in bucket]
+
+
+@torch.no_grad()
+def zero_after_load(model: nn.Module, optimizer) -> None:
+    """ZeRO-1/2 after a load: the shards hold the loaded parameters, but each rank's full copy
+    (the rest of its flat buffers) still holds the old ones until an all-gather, as after a step.
+    ZeRO-3 needs nothing: its units are gathered from the shards when used."""
+    if model.__dict__.get("module") is not None:
+        return
+    for buckets, flats, shards in zip(optimizer.buckets, optimizer.flats, optimizer.shards):
+        for bucket, flat, shard in zip(buckets, flats, shards):
+            all_gather_shards(flat, shard, bucket, optimizer.group)
 
 
 @torch.no_grad()

@@ -169,7 +169,7 @@ def save(state: ShardedState, folder, *, rank: int, world_size: int, group=None)
     mine = [s for s, _ in state.tensors]
     _check_local(state.tensors)
     everyone, writer = _plan(mine, group, world_size)
-    own = {key_of(s): t.detach().cpu().contiguous() for s, t in state.tensors
+    own = {key_of(s): _own_storage(t) for s, t in state.tensors
            if writer[(s.name, s.offsets, s.lengths, s.flat)] == rank}  # fmt: skip
     sizes = {}
     if own:
@@ -188,6 +188,15 @@ def save(state: ShardedState, folder, *, rank: int, world_size: int, group=None)
         _commit(partial, folder)
     _barrier(group, world_size)
     return folder
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU, copied if it views a larger storage: ``torch.save`` writes a view's whole
+    storage, so a ZeRO slice (a view of the flat buffer) would otherwise write the full buffer."""
+    t = t.detach().cpu()
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _check_local(pairs) -> None:
