@@ -15,6 +15,16 @@ collectives of its own (planning, the metadata's gather), so it needs **its own 
 the training loop all-reduces on it hung here (the two threads' collectives interleave on one
 group). Wait on the returned future before the next save, and before the process exits.
 
+On torch 2.6 (read in its source, not run here) ``async_save`` asserts that the group it uses
+has a CPU backend ("A CPU backend must be enabled for async save; try initializing process group
+with 'cpu:gloo,cuda:nccl'"), copies the state to CPU and writes it from a thread: a gloo group
+passes, and the same reason for a group of its own holds.
+
+``dcp.load`` fills the tensors of the state dict it is given in place; with the default
+``StateDictOptions`` those are the model's parameters and the optimizer's state themselves, so
+``set_state_dict`` copies nothing new here. It matters with ``full_state_dict=True`` or
+``cpu_offload=True``, where ``get_state_dict`` hands back copies: kept, so the code stays right.
+
 Unlike :func:`.sharded.save`, DCP writes in place: a crash mid-save leaves the folder without
 ``.metadata`` (unloadable, not half-loaded); save each checkpoint to a fresh folder.
 """
