@@ -10,7 +10,9 @@ torch's ``DistributedDataParallel`` (03); a ``DistributedSampler`` whose ``set_e
 every epoch the same way on every rank (03); AMP on GPUs, bfloat16 where the GPU does it natively,
 else float16 with a gradient scaler (01, :mod:`course_utils.precision`); the profiler's ``wait, warmup, active`` schedule writing one trace per
 rank and a TensorBoard copy (04). Rank 0 writes a checkpoint after every epoch; a second run with
-the same ``--job-dir`` resumes from it.
+the same ``--job-dir`` resumes from it. A ``STOP`` file in the job dir, or SIGUSR1 to a rank, makes
+every rank checkpoint after the next step and exit 75 (``slurm_templates/requeue.sbatch`` uses it
+before a time limit); the next run resumes at that batch (11).
 """
 
 from __future__ import annotations
