@@ -254,3 +254,49 @@ def test_preflight_template_writes_one_report(one_node, tmp_path):
     text = (job_dir / "preflight.md").read_text()
     assert text.startswith("# Pre-flight of") and "PASS" in text.splitlines()[0]
     assert (job_dir / "notebooks" / "01_single_gpu.html").exists()
+
+
+def test_requeue_stops_at_a_step_requeues_and_ends_like_an_uninterrupted_job(one_node, tmp_path):
+    """requeue.sbatch: SIGUSR1 to the batch shell partway (what ``--signal=B:USR1@120`` sends
+    before the time limit) makes every rank checkpoint after the same step; the job requeues
+    itself, starts again with the same id and job dir (SLURM_RESTART_COUNT=1), resumes at that
+    step, and ends with the losses and parameters of the same job left alone."""
+    import torch
+
+    jobs = tmp_path / "jobs"
+    env = job_env(jobs, SITE="generic-nvidia")  # no JOB_DIR: the template derives it from the id
+    argv = [SUBMIT, "requeue", "--", "--epochs", "2", "--profile", "off"]
+    alone = one_node.submit(argv, env)
+    job = one_node.submit(argv, env)
+    metrics = jobs / f"course-requeue-{job}" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 5:
+        assert time.monotonic() < deadline, one_node.job(job)
+        time.sleep(0.2)
+    one_node.run("scancel", "--signal=USR1", "--batch", str(job))
+    while (info := one_node.job(job)).get("Restarts") != "1" or info["JobState"] != "PENDING":
+        assert time.monotonic() < deadline + 60 and info["JobState"] != "COMPLETED", info
+        time.sleep(0.2)
+    # SLURM holds a requeued job for AuthInfo's cred_expire (120 s by default), Reason=BeginTime;
+    # the test waits 2 s only (a start in the second of the requeue is refused: "Job credential
+    # revoked")
+    time.sleep(2)
+    one_node.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    info, log = finished(one_node, job, jobs)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log)
+    assert "requeueing job" in log and f"start 2 of job {job}" in log, log
+    stopped_at = int(log.split("stopped on request after step ")[1].split(":")[0])
+    assert f"batch {stopped_at % 16} of it, step {stopped_at}" in log, log  # 16 steps an epoch
+    info, log_alone = finished(one_node, alone, jobs)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", log_alone
+
+    r, r_alone = (result_of(jobs / f"course-requeue-{j}") for j in (job, alone))
+    assert 5 <= r["start_step"] == stopped_at < r["steps"] == r_alone["steps"] == 32
+    assert r["losses"] == r_alone["losses"] and r["test_accuracy"] == r_alone["test_accuracy"]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 33))  # every step once, across the two starts
+    w, w_alone = (
+        torch.load(jobs / f"course-requeue-{j}" / "checkpoint.pt", weights_only=True)["model"]
+        for j in (job, alone)
+    )
+    assert all(torch.equal(w[k], w_alone[k]) for k in w_alone)

@@ -115,6 +115,29 @@ def test_a_resumed_job_trains_exactly_as_one_that_never_stopped(runs_root, tmp_p
     assert steps == list(range(1, straight["steps"] + 1))
 
 
+def test_a_job_stopped_mid_epoch_resumes_at_that_batch_exactly(runs_root, tmp_path):
+    """A STOP file in the job dir (what slurm_templates/requeue.sbatch writes on SIGUSR1): both
+    ranks checkpoint after the next step, inside epoch 0, and return without a result; the next
+    run skips the batches already trained (drawing their crops and flips again), puts back the
+    random states of the stop and ends with the losses of a run that never stopped."""
+    import torch
+
+    data = tmp_path / "data"
+    write_cifar100(data, n=256)  # real files: the skipped batches draw random crops and flips
+    real = ("--data-dir", str(data), "--no-verify", "--epochs", "2")
+    straight = run_ddp_script(tmp_path / "straight", *real)
+    job = tmp_path / "stopped"
+    job.mkdir()
+    (job / "STOP").touch()
+    launch(str(REPO / "train" / "ddp.py"), 2, echo=False, timeout=240,
+           argv=["--size", "ci", "--profile", "off", "--job-dir", str(job), *real])  # fmt: skip
+    assert not (job / "STOP").exists() and not (job / "result.json").exists()
+    state = torch.load(job / "checkpoint.pt", weights_only=True)
+    assert (state["epoch"], state["batch"], state["step"]) == (0, 1, 1)
+    resumed = run_ddp_script(job, *real)
+    assert resumed["start_step"] == 1 and resumed["losses"] == straight["losses"]
+
+
 def mean_of_ranks(ctx):
     import torch
 

@@ -10,5 +10,5 @@ from course_utils.train.common import exit_now
 from course_utils.train.ddp import main
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
-    exit_now()  # results are written; see exit_now for why not a normal exit
+    # results are written; see exit_now for why not a normal exit, and for its status after a stop
+    exit_now(main(sys.argv[1:]))

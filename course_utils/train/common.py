@@ -4,6 +4,7 @@ The job directory holds everything one job writes::
 
     <job dir>/
         checkpoint.pt       rank 0 only, written atomically; loaded with weights_only=True
+        STOP                a request to checkpoint and stop (StopRequest); removed when served
         metrics.jsonl       one line per step (rank 0): step, epoch, global-batch loss
         result.json         rank 0 at the end: ranks and hosts, losses, accuracy, traces
         ranks/rank<r>.json  each rank at start-up: its host, pid and device
@@ -20,7 +21,9 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +35,8 @@ from course_utils.launcher.profiler import ProfileConfig, RankProfiler
 from course_utils.sizes import PRESETS, get_size
 
 CHECKPOINT = "checkpoint.pt"
+STOP_FILE = "STOP"
+STOPPED = 75  # a rank's exit status after it checkpointed and stopped on request (EX_TEMPFAIL)
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -171,6 +176,52 @@ def load_checkpoint(folder: Path, device: torch.device) -> dict | None:
     if not path.exists():
         return None
     return torch.load(path, map_location=device, weights_only=True)
+
+
+class StopRequest:
+    """A request to checkpoint and stop, seen by every rank after the same step.
+
+    Two ways in: the file ``<job dir>/STOP``, which rank 0 looks for after every step
+    (``slurm_templates/requeue.sbatch`` touches it when SLURM warns of the time limit; a person
+    can too), and SIGUSR1 on any rank (ranks started by ``srun``: ``scancel --signal=USR1 JOB``).
+    The signal handler only sets a flag; the work happens at the step boundary.
+
+    :meth:`requested` is a collective: every rank's flag goes through an all-reduce (MAX), so all
+    ranks stop after the same step or none does. A rank that stopped alone would leave the others
+    waiting in their next all-reduce until the timeout. After the checkpoint, :meth:`served`
+    removes the file: the batch script reads its absence as "the checkpoint is written".
+    """
+
+    def __init__(self, ctx: RankContext, folder: Path, signals=(signal.SIGUSR1,)):
+        self.ctx, self.path, self.signalled = ctx, Path(folder) / STOP_FILE, False
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
+            for s in signals:
+                self.previous[s] = signal.signal(s, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = True
+
+    def requested(self) -> bool:
+        """Does any rank see a request? Every rank calls it after every step."""
+        mine = self.signalled or (self.ctx.rank == 0 and self.path.exists())
+        flag = torch.tensor([float(mine)], device=self.ctx.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def served(self) -> None:
+        """Rank 0 removes the request once the checkpoint is written (every rank calls it)."""
+        if self.ctx.rank == 0:
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> StopRequest:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
 
 
 def where(ctx: RankContext) -> dict:
@@ -314,8 +365,9 @@ def close(ctx: RankContext) -> None:
     del ctx
 
 
-def exit_now() -> None:
-    """End a script run by torchrun or srun once its results are written: ``os._exit(0)``.
+def exit_now(result: dict | None = None) -> None:
+    """End a script run by torchrun or srun once its results are written: ``os._exit(0)``, or
+    ``os._exit(STOPPED)`` when ``result`` says the run stopped on request (:class:`StopRequest`).
 
     Gloo (and DTensor) threads still alive after ``destroy_process_group`` can abort a normally
     ending interpreter ("terminate called without an active exception", SIGABRT in about one run
@@ -328,4 +380,4 @@ def exit_now() -> None:
 
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(STOPPED if result and result.get("stopped") else 0)

@@ -10,12 +10,15 @@ torch's ``DistributedDataParallel`` (03); a ``DistributedSampler`` whose ``set_e
 every epoch the same way on every rank (03); AMP on GPUs, bfloat16 where the GPU does it natively,
 else float16 with a gradient scaler (01, :mod:`course_utils.precision`); the profiler's ``wait, warmup, active`` schedule writing one trace per
 rank and a TensorBoard copy (04). Rank 0 writes a checkpoint after every epoch; a second run with
-the same ``--job-dir`` resumes from it.
+the same ``--job-dir`` resumes from it. A ``STOP`` file in the job dir, or SIGUSR1 to a rank, makes
+every rank checkpoint after the next step and exit 75 (``slurm_templates/requeue.sbatch`` uses it
+before a time limit); the next run resumes at that batch (11).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -144,12 +147,15 @@ def _train_loader(ctx, args, size, train_set):
     return loader, sampler, per_rank, pin
 
 
-def _resume(ctx, folder, strategy, net, model, opt, scaler):
-    """(start epoch, step, losses) from the job's checkpoint, whose states are loaded into the
-    model, optimizer, scaler and random generators; ``(0, 0, [])`` without one."""
+def _resume(ctx, folder, strategy, net, model, opt, scaler) -> dict:
+    """Where to start, from the job's checkpoint, whose states are loaded into the model,
+    optimizer and scaler: ``epoch``, ``batch`` (batches of that epoch already trained: more than
+    0 after a stop on request), ``step``, ``losses``, and ``rng``, the random states still to be
+    restored (by :func:`_batches`, once the epoch's first ``batch`` batches are skipped). Epoch 0,
+    batch 0 without a checkpoint."""
     state = common.load_checkpoint(folder, ctx.device)
     if state is None:
-        return 0, 0, []
+        return {"epoch": 0, "batch": 0, "step": 0, "losses": [], "rng": None}
     if state.get("strategy", "ddp") != strategy.name:
         raise SystemExit(
             f"{folder / common.CHECKPOINT} was written by the {state['strategy']} script, not "
@@ -158,10 +164,27 @@ def _resume(ctx, folder, strategy, net, model, opt, scaler):
     strategy.load(net, model, opt, state["model"], state["optimizer"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
-    start_epoch, step, losses = state["epoch"], state["step"], list(state["losses"])
-    common.restore_rng(ctx, state.get("rng"))
-    cdist.print0(f"resumed from {folder / common.CHECKPOINT}: epoch {start_epoch}, step {step}")
-    return start_epoch, step, losses
+    start = {k: state.get(k, 0) for k in ("epoch", "batch", "step")}
+    start.update(losses=list(state["losses"]), rng=state.get("rng"))
+    if not start["batch"]:  # at an epoch's end: the next epoch's shuffle draws from these states
+        common.restore_rng(ctx, start.pop("rng"))
+        start["rng"] = None
+    cdist.print0(
+        f"resumed from {folder / common.CHECKPOINT}: epoch {start['epoch']}, batch "
+        f"{start['batch']} of it, step {start['step']}"
+    )
+    return start
+
+
+def _batches(ctx, loader, skip: int, rng):
+    """The epoch's batches after the first ``skip``, which are loaded and dropped (augmentations
+    in the main process draw random numbers in the same order as in the stopped run); then the
+    random states saved at the stop are put back."""
+    batches = iter(loader)
+    for _ in range(skip):
+        next(batches)
+    common.restore_rng(ctx, rng)
+    return batches
 
 
 def _train_step(ctx, model, opt, autocast, scaler, x, y, pin: bool) -> torch.Tensor:
@@ -182,8 +205,9 @@ def _train_step(ctx, model, opt, autocast, scaler, x, y, pin: bool) -> torch.Ten
     return loss
 
 
-def _save_epoch(ctx, folder, strategy, net, model, opt, scaler, epoch, step, losses) -> None:
-    """Checkpoint after ``epoch``: everything a later run with this ``--job-dir`` resumes from."""
+def _save(ctx, folder, strategy, net, model, opt, scaler, epoch, batch, step, losses) -> None:
+    """Checkpoint everything a later run with this ``--job-dir`` resumes from: it continues at
+    batch ``batch`` of ``epoch`` (batch 0 after an epoch's end)."""
     model_state, opt_state = strategy.state(net, model, opt)
     common.save_checkpoint(
         ctx,
@@ -193,7 +217,8 @@ def _save_epoch(ctx, folder, strategy, net, model, opt, scaler, epoch, step, los
             "model": model_state,
             "optimizer": opt_state,
             "scaler": scaler.state_dict() if scaler is not None else {},
-            "epoch": epoch + 1,
+            "epoch": epoch,
+            "batch": batch,
             "step": step,
             "losses": losses,
             "rng": common.gather_rng(ctx),  # augmentation and shuffles continue exactly
@@ -202,7 +227,11 @@ def _save_epoch(ctx, folder, strategy, net, model, opt, scaler, epoch, step, los
 
 
 def train(ctx, args, size, strategy) -> dict:
-    """Train, checkpoint every epoch, evaluate; return (and write) the run's result."""
+    """Train, checkpoint every epoch, evaluate; return (and write) the run's result.
+
+    After every step, :class:`~course_utils.train.common.StopRequest` asks all ranks whether a
+    stop was requested; if so they checkpoint there and return ``{"stopped": True, ...}`` without
+    evaluating (the script then exits with ``common.STOPPED``)."""
     folder = common.job_dir(ctx, args)
     train_set, test_set, data_dir = _load_data(ctx, args, size)
     loader, sampler, per_rank, pin = _train_loader(ctx, args, size, train_set)
@@ -213,45 +242,51 @@ def train(ctx, args, size, strategy) -> dict:
     model, opt = strategy.build(net, ctx, args)
     autocast, scaler, amp_dtype = amp_setup(ctx.device, args.amp)
     epochs = args.epochs or size.epochs
-    start_epoch, step, losses = _resume(ctx, folder, strategy, net, model, opt, scaler)
+    start = _resume(ctx, folder, strategy, net, model, opt, scaler)
+    step, losses, stopped = start["step"], start["losses"], False
+    save = functools.partial(_save, ctx, folder, strategy, net, model, opt, scaler)
 
     metrics = common.Metrics(ctx, folder, after_step=step)
     total = epochs * len(loader)
     t0 = time.perf_counter()
-    with common.Profiler(ctx, folder, common.profile_config(args.profile)) as prof:
-        for epoch in range(start_epoch, epochs):
+    stop = common.StopRequest(ctx, folder)
+    with stop, common.Profiler(ctx, folder, common.profile_config(args.profile)) as prof:
+        for epoch in range(start["epoch"], epochs):
             sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-            for x, y in loader:
+            done = start["batch"] if epoch == start["epoch"] else 0
+            for x, y in _batches(ctx, loader, done, start["rng"] if done else None):
                 loss = _train_step(ctx, model, opt, autocast, scaler, x, y, pin)
-                step += 1
+                step, done = step + 1, done + 1
                 losses.append(common.global_mean(loss, ctx))
                 metrics.log(step=step, epoch=epoch, loss=losses[-1])
                 prof.step()
                 ctx.step(total=total)
+                if stop.requested():  # every rank agrees, so every rank stops here
+                    save(epoch, done, step, losses)
+                    stop.served()
+                    stopped = True
+                    break
                 if args.max_steps and step >= args.max_steps:
                     break
-            _save_epoch(ctx, folder, strategy, net, model, opt, scaler, epoch, step, losses)
+            if stopped:
+                cdist.print0(f"stopped on request after step {step}: checkpoint written")
+                break
+            save(epoch + 1, 0, step, losses)
             cdist.print0(f"epoch {epoch}: step {step}, loss {losses[-1]:.4f}")
             if args.max_steps and step >= args.max_steps:
                 break
+    metrics.close()
+    if stopped:
+        return {"script": strategy.name, "stopped": True, "steps": step, "folder": str(folder)}
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)  # the last step's kernels are part of the time
     seconds = time.perf_counter() - t0
-    metrics.close()
     accuracy = evaluate(model, test_set.dataset, per_rank, ctx)
     traces = common.gather(prof.trace)
     result = {
-        "script": strategy.name,
-        "world_size": ctx.world_size,
-        "backend": ctx.backend,
-        "source": ctx.extras.get("source"),
-        "ranks": common.gather_where(ctx),
-        "size": size.name,
-        "data": repr(train_set),
-        "data_dir": str(data_dir) if data_dir else None,
-        "synthetic": train_set.synthetic,
-        "amp": amp_dtype,
-        "start_epoch": start_epoch,
+        **_about(ctx, strategy, size, train_set, data_dir, amp_dtype),
+        "start_epoch": start["epoch"],
+        "start_step": start["step"],
         "epochs": epochs,
         "steps": step,
         "losses": losses,
@@ -266,6 +301,22 @@ def train(ctx, args, size, strategy) -> dict:
         f"test accuracy {accuracy:.3f}; wrote {folder}"
     )
     return result
+
+
+def _about(ctx, strategy, size, train_set, data_dir, amp_dtype) -> dict:
+    """What ran where, for ``result.json`` (gathers every rank's host: a collective)."""
+    return {
+        "script": strategy.name,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "source": ctx.extras.get("source"),
+        "ranks": common.gather_where(ctx),
+        "size": size.name,
+        "data": repr(train_set),
+        "data_dir": str(data_dir) if data_dir else None,
+        "synthetic": train_set.synthetic,
+        "amp": amp_dtype,
+    }
 
 
 @torch.no_grad()
@@ -291,5 +342,4 @@ def evaluate(model, dataset, batch: int, ctx) -> float:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
-    common.exit_now()
+    common.exit_now(main(sys.argv[1:]))

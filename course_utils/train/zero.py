@@ -102,8 +102,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
-    common.exit_now()
+    common.exit_now(main(sys.argv[1:]))
 
 
 __all__ = ["METHODS", "main", "nn"]
