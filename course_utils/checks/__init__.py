@@ -20,6 +20,7 @@ Exercises, by notebook (``python -m course_utils copies --kind student`` removes
 - 08: :func:`check_shard_bounds`, :func:`check_zero1_step`, :func:`check_zero3`
 - 09: :func:`check_merge`, :func:`check_ring_forward`, :func:`check_seq_to_head`
 - 10: :func:`check_route`, :func:`check_dispatch_combine`
+- 11: :func:`check_sharded_checkpoint`, :func:`check_resume`, :func:`check_interval`
 """
 
 import functools
@@ -37,6 +38,7 @@ from .nb07 import check_coords, check_groups, check_links
 from .nb08 import check_shard_bounds, check_zero1_step, check_zero3
 from .nb09 import check_merge, check_ring_forward, check_seq_to_head
 from .nb10 import check_dispatch_combine, check_route
+from .nb11 import check_interval, check_resume, check_sharded_checkpoint
 
 _PASSED: list = []  # the answers (functions, classes) whose check passed in this kernel
 
@@ -81,6 +83,7 @@ __all__ = [
     "check_exposed_communication",
     "check_f_and_g",
     "check_groups",
+    "check_interval",
     "check_links",
     "check_mailbox",
     "check_merge",
@@ -89,12 +92,14 @@ __all__ = [
     "check_one_f_one_b",
     "check_overlapped_ddp",
     "check_qkv_shard",
+    "check_resume",
     "check_ring_all_reduce",
     "check_ring_forward",
     "check_route",
     "check_row_parallel_linear",
     "check_seq_to_head",
     "check_shard_bounds",
+    "check_sharded_checkpoint",
     "check_sync_batch_stats",
     "check_state_bytes",
     "check_train_with_uneven_data",
