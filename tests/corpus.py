@@ -55,6 +55,9 @@ EXERCISES = {
     "09.3": (("seq_to_head",), checks.check_seq_to_head),
     "10.1": (("route",), checks.check_route),
     "10.2": (("dispatch_combine",), checks.check_dispatch_combine),
+    "11.1": (("save_sharded", "load_sharded"), checks.check_sharded_checkpoint),
+    "11.2": (("snapshot_state", "restore_state"), checks.check_resume),
+    "11.3": (("checkpoint_interval",), checks.check_interval),
 }
 
 

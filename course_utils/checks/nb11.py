@@ -280,7 +280,8 @@ def _judge_resume(whole, again, save_at: int, steps: int) -> None:
             fail("11.2", f"rank {r}'s random generator after restore_state is not its state at "
                  "the save, so its dropout masks and noise differ from the uninterrupted run's: "
                  "save torch.get_rng_state() (and the GPU's) per rank and set it back")  # fmt: skip
-        for s in range(first, steps + 1):
+    for r, (w, a) in enumerate(zip(whole, again)):  # every rank's state first: ZeRO mixes them
+        for s in range(save_at + 1, steps + 1):
             if a["batches"].get(s) != w["batches"][s]:
                 fail("11.2", f"rank {r}'s batch at step {s} differs from the uninterrupted run's "
                      "(an epoch boundary lies between): save the epoch as well as the step "
