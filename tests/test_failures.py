@@ -8,7 +8,9 @@ with no ``fail_rank``), compared exactly (``torch.equal``, float64).
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,20 +64,67 @@ def test_rank_dies_mid_step_and_launch_resumes(tmp_path, runs_root, uninterrupte
     )
 
 
+def write_events(root: Path, rank: int, events: list[tuple]) -> None:
+    lines = [json.dumps({"event": e, "t": t, **({"step": s} if s is not None else {})})
+             for e, t, s in events]  # fmt: skip
+    (root / f"events-rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_lost_work_by_hand(tmp_path):
+    """Against hand-written logs: a death after a checkpoint, and one before any checkpoint."""
+    write_events(tmp_path, 1, [("start", 0.0, None), ("step", 1.0, 1), ("step", 2.0, 2),
+                               ("saved", 2.5, 2), ("step", 3.5, 3), ("dies", 4.2, 4),
+                               ("start", 6.0, None), ("resumed", 7.0, 2), ("step", 8.0, 3),
+                               ("step", 9.0, 4)])  # fmt: skip
+    lost = failures.lost_work(tmp_path, 1)
+    assert (lost.failed_step, lost.resumed_from, lost.steps_redone) == (4, 2, 1)
+    assert (lost.seconds_lost, lost.restart_seconds, lost.redo_seconds) == pytest.approx(
+        (4.2 - 2.5, 7.0 - 4.2, 8.0 - 7.0))  # fmt: skip
+    write_events(tmp_path, 0, [("start", 0.0, None), ("step", 1.0, 1), ("dies", 1.5, 2),
+                               ("start", 3.0, None), ("step", 4.0, 1)])  # fmt: skip
+    lost = failures.lost_work(tmp_path, 0)
+    assert (lost.failed_step, lost.resumed_from, lost.steps_redone) == (2, 0, 1)
+    assert (lost.seconds_lost, lost.restart_seconds, lost.redo_seconds) == pytest.approx(
+        (1.5, 1.5, 1.0))  # fmt: skip
+
+
+def run_torchrun(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[int, str]:
+    """Run torchrun; past ``timeout``, SIGTERM it (its agent stops the workers, which live in
+    sessions of their own), then SIGKILL."""
+    with open(cwd / "torchrun.log", "w+") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            code = None
+        log.seek(0)
+        return code, log.read()
+
+
 def test_torchrun_restarts_and_resumes(tmp_path, uninterrupted):
     """torchrun --max-restarts 1: rank 1 dies in step 7 of the first attempt, the agent restarts
-    both ranks, they resume from step 4 and end as the uninterrupted run."""
+    both ranks, they resume from step 4 and end as the uninterrupted run.
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the rendezvous' store shared (the default), the
+    restarted ranks meet the first attempt's keys and gloo's connect hangs or fails in about half
+    the runs (elastic_demo's docstring has the counts)."""
     root = tmp_path / "ckpts"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", "PYTHONPATH": path,
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1", "--monitor-interval", "0.2",
            "-m", "course_utils.checkpoint.elastic_demo", "--root", str(root)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    code, log = run_torchrun(cmd, tmp_path, env, timeout=60)
+    assert code == 0, log[-4000:]
     assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in log, log[-4000:]
-    assert "rank 1 dies in step 7 (exit)" in log
+    assert "rank 1 dies in step 7 (exit)" in log and "rank 1: attempt 1" in log
     results = [torch.load(root / f"final-rank{r}.pt", weights_only=False) for r in range(2)]
     assert [res["attempt"] for res in results] == [1, 1]
     same_training(results, uninterrupted, start=4)

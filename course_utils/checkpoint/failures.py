@@ -18,7 +18,7 @@ the world size). Each save, the sharded checkpoint's ``all_gather_object`` of sl
 
 Taught in notebook 11. Run it::
 
-    python -c "from course_utils.checkpoint import failures as f; print(f.crash_and_resume('/tmp/ck'))"
+    python -c "from course_utils.checkpoint import failures; print(failures.crash_and_resume('ck'))"
 """
 
 from __future__ import annotations
@@ -167,8 +167,8 @@ def lost_work(root, failed_rank: int) -> LostWork:
     back = next((e["step"] for e in after if e["event"] == "resumed"), 0)
     committed = [e["t"] for e in before if e["event"] == "saved" and e["step"] == back]
     began = committed[-1] if committed else before[0]["t"]  # no checkpoint: all since the start
-    restart = next(e["t"] for e in after if e["event"] in ("resumed", "start"))
-    restart = next((e["t"] for e in after if e["event"] == "resumed"), restart)
+    resumed = [e["t"] for e in after if e["event"] == "resumed"]  # none: started from scratch
+    restart = resumed[0] if resumed else next(e["t"] for e in after if e["event"] == "start")
     again = [e["t"] for e in after if e["event"] == "step" and e["step"] == death["step"] - 1]
     return LostWork(
         failed_step=death["step"],
