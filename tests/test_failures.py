@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_utils import launch
-from course_utils.checkpoint import failures, latest
+from course_utils import RankFailedError, RankTimeoutError, launch
+from course_utils.checkpoint import failures, hangs, latest
 from course_utils.checkpoint.failures import crash_and_resume, train_worker
 
 pytestmark = pytest.mark.multiprocess
@@ -131,3 +132,78 @@ def test_torchrun_restarts_and_resumes(tmp_path, uninterrupted):
     lost = failures.lost_work(root, 1)
     assert (lost.failed_step, lost.resumed_from, lost.steps_redone) == (7, 4, 2)
     assert latest(root).name == "step-00000012"
+
+
+# --- hangs -----------------------------------------------------------------------------------
+def line_of(marker: str) -> int:
+    """The line of hangs.py that holds ``marker`` (a comment in collectives_then_mismatch)."""
+    lines = Path(hangs.__file__).read_text().splitlines()
+    found = [i + 1 for i, line in enumerate(lines) if marker in line]
+    assert len(found) == 1, (marker, found)
+    return found[0]
+
+
+def test_hang_under_launch_timeout_shows_each_rank_line(runs_root):
+    """Rank 0 all-reduces while rank 1 broadcasts: launch's timeout ends it with both stacks,
+    each naming the line its rank waits on."""
+    hang = hangs.mismatch("op", timeout=4.0)
+    assert isinstance(hang.error, RankTimeoutError) and 4 <= hang.seconds < 15
+    where = "hangs.py:{} in collectives_then_mismatch"
+    assert hang.where == {0: where.format(line_of("# rank 0 waits here")),
+                          1: where.format(line_of("# the others wait here (op)"))}  # fmt: skip
+    assert "all_reduce" in hang.error.stacks[0] and "broadcast" in hang.error.stacks[1]
+
+
+def test_process_group_timeout_raises_in_the_rank(runs_root):
+    """The same mismatch in a group made with timeout=2 s: gloo's own error, long before launch's
+    timeout, reported as the failure of a named rank."""
+    hang = hangs.mismatch("op", timeout=60.0, pg_timeout=2.0)
+    err = hang.error
+    assert isinstance(err, RankFailedError) and err.rank in (0, 1) and hang.seconds < 15
+    assert err.exc_type == "RuntimeError"
+    assert re.search(r"Timed out waiting 2000ms for (recv|send) operation", err.exc_message)
+
+
+def test_size_mismatch_aborts_a_gloo_rank(runs_root):
+    """4 elements against 8: no hang on gloo; rank 0 receives more bytes than it expects and
+    aborts (SIGABRT) with gloo's hint."""
+    hang = hangs.mismatch("size", timeout=30.0)
+    err = hang.error
+    assert isinstance(err, RankFailedError) and err.rank == 0 and err.signal == signal.SIGABRT
+    assert "Received data size doesn't match expected size" in str(err)
+
+
+# --- the flight recorder ---------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["op", "skip"])
+def test_flight_recorder_finds_the_mismatched_collective(runs_root, kind):
+    """Gloo records its collectives (torch 2.14.1: on by default): the dumps agree on collectives
+    1 and 2 and part at 3, where rank 0 all-reduces and rank 1 broadcasts, or calls no collective
+    (it waits in a recv, which gloo does not record)."""
+    fr = hangs.flight_record(kind, pg_timeout=2.0)
+    assert fr.note.startswith("6 records" if kind == "op" else "5 records"), fr.note
+    for r in (0, 1):
+        # a rank whose peer gave up first and exited sees the connection close instead
+        assert re.search("Timed out waiting 2000ms|Connection closed by peer", fr.errors[r])
+        recs = fr.records[r]
+        assert [(x.seq, x.op, x.input_sizes) for x in recs[:2]] == [
+            (1, "gloo:all_reduce", ((4,),)), (2, "gloo:broadcast", ((4,),))]  # fmt: skip
+        assert all(x.state == "scheduled" and not x.p2p for x in recs)  # no events, no p2p
+        assert [x.retired for x in recs[:2]] == [True, True]
+    d = hangs.first_disagreement(fr.records)
+    assert d is not None and d.seq == 3 and d.calls[0].op == "gloo:all_reduce"
+    assert (d.calls[1].op if d.calls[1] else None) == {"op": "gloo:broadcast", "skip": None}[kind]
+    where = "hangs.py:{} in collectives_then_mismatch"  # the recorder kept each call's stack
+    assert d.calls[0].where == where.format(line_of("# rank 0 waits here"))
+    if kind == "op":
+        assert d.calls[1].where == where.format(line_of("# the others wait here (op)"))
+    assert fr.status[0]["0"]["last_enqueued_collective"] == 3
+    assert fr.status[1]["0"]["last_enqueued_collective"] == {"op": 3, "skip": 2}[kind]
+    assert hangs.first_disagreement({r: fr.records[r][:2] for r in (0, 1)}) is None
+
+
+def test_flight_recorder_off_says_so(runs_root):
+    """TORCH_FR_BUFFER_SIZE=0 before the group: nothing recorded, and the note says so."""
+    fr = hangs.flight_record("op", pg_timeout=2.0, buffer=0)
+    assert fr.records == {0: [], 1: []}
+    assert "recorded nothing on gloo" in fr.note and "TORCH_FR_BUFFER_SIZE=0" in fr.note
+    assert hangs.first_disagreement(fr.records) is None

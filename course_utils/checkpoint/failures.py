@@ -16,7 +16,8 @@ all-reduce, by ``os._exit(1)`` (a crash: no exception, no clean-up) or by raisin
 the world size). Each save, the sharded checkpoint's ``all_gather_object`` of slice descriptions and
 ``gather_object`` of file sizes; a load reads files only.
 
-Taught in notebook 11. Run it::
+Hangs (a mismatched collective) and PyTorch's flight recorder are in :mod:`.hangs`. Taught in
+notebook 11. Run it::
 
     python -c "from course_utils.checkpoint import failures; print(failures.crash_and_resume('ck'))"
 """
