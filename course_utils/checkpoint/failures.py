@@ -198,6 +198,8 @@ def crash_and_resume(root, world_size: int = 2, steps: int = 12, every: int = 4,
     """Launch :func:`train_worker` with rank ``fail_rank`` dying in step ``fail_step``, catch the
     :class:`RankFailedError`, launch again (it resumes from the last complete checkpoint under
     ``root``) and measure the lost work."""
+    if latest(root) is not None or list(Path(root).glob("events-rank*.jsonl")):
+        raise ValueError(f"{root} holds an earlier run (it would resume it): pass an empty folder")
     job = dict(root=str(root), steps=steps, every=every)
     try:
         launch(train_worker, world_size, timeout=timeout, echo=echo,

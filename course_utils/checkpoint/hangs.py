@@ -2,7 +2,7 @@
 
 A collective completes only when every rank of the group calls it with the same op and sizes. When
 rank 0 calls an ``all_reduce`` that rank 1 skips, or calls with another size or op, nothing fails
-at once: the ranks wait. Three things can end the wait:
+at once: the ranks wait. Two timeouts end the wait, and the flight recorder says which call it was:
 
 - ``launch``'s own ``timeout`` (:func:`mismatch`): it raises
   :class:`~course_utils.launcher.errors.RankTimeoutError` with every rank's Python stack at that
