@@ -8,7 +8,11 @@
 - :mod:`.resume`: what a restart needs to equal an uninterrupted run bit for bit (RNG states, data
   position, step);
 - :mod:`.interval`: Young's and Daly's optimal checkpoint interval, goodput, Llama 3's failure rate;
-- :mod:`.contents`: the bytes a checkpoint holds per rank under each layout, by formula.
+- :mod:`.contents`: the bytes a checkpoint holds per rank under each layout, by formula;
+- :mod:`.failures`: a rank killed mid-step and the job resumed bit for bit under ``launch``, the
+  work lost; :mod:`.elastic_demo`: the same under ``torchrun --max-restarts``;
+- :mod:`.hangs`: a mismatched collective under launch's timeout and the process group's, and
+  PyTorch's flight recorder.
 
 Taught in notebook 11.
 """
