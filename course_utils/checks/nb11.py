@@ -3,9 +3,11 @@ what a restart must put back to equal an uninterrupted run (11.2), Young's inter
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -17,7 +19,7 @@ from ..checkpoint import dcp as course_dcp
 from ..checkpoint import interval, layouts, resume, sharded
 from ..checkpoint.sharded import ShardedState, Slice
 from ..zero import ShardedOptimizer
-from .common import fail, launch_check, passed, refuse_calls
+from .common import ExerciseError, fail, launch_check, passed, refuse_calls
 
 PACKAGE_SAVE = (
     "that is the package's sharded checkpoint (course_utils.checkpoint) or torch's DCP, which "
@@ -124,14 +126,56 @@ def _compare_loaded(pieces, where: str) -> None:
              "load copies each saved box's overlap with the wanted one to the right place")  # fmt: skip
 
 
+@contextlib.contextmanager
+def _late_writer(late: bool, delay: float = 0.4):
+    """On the late rank, start the save later and slow each torch.save, so that a save which
+    returns without waiting for the other ranks returns before their files exist."""
+    if not late:
+        yield
+        return
+    time.sleep(delay)
+    original = torch.save
+
+    def slow_save(*args, **kwargs):
+        time.sleep(delay)
+        return original(*args, **kwargs)
+
+    torch.save = slow_save
+    try:
+        yield
+    finally:
+        torch.save = original
+
+
+def _loads_whole_checkpoint(load_sharded, folder, r: int, n: int, device) -> bool:
+    """Whether a load right after this rank's save returned finds every saved box."""
+    want = _wanted_pieces(r, n, device)
+    try:
+        with _refuse_saves():
+            load_sharded(folder, want, r)
+    except ExerciseError:
+        raise
+    except Exception:  # a file or the index not there yet, or the load's own bug (judged later)
+        return False
+    whole = _whole_tensors()
+    return all(torch.equal(t.detach().cpu(), _box(whole[s.name], s)) for s, t in want)
+
+
 def _save_load_worker(ctx, save_sharded, load_sharded, folder):
     n, r = ctx.world_size, ctx.rank
-    with _refuse_saves():
+    with _refuse_saves(), _late_writer(r == n - 1):
         save_sharded(_saving_pieces(r, n, ctx.device), folder, r, n)
-        dist.barrier()  # every rank's save returned: the checkpoint is complete
-        want = _wanted_pieces(r, n, ctx.device)
+    early = _loads_whole_checkpoint(load_sharded, folder, r, n, ctx.device)
+    dist.barrier()  # every rank's save returned: the checkpoint is complete
+    want = _wanted_pieces(r, n, ctx.device)
+    with _refuse_saves():
         load_sharded(folder, want, r)
     _compare_loaded(want, f"rank {r} of {n}, loading the checkpoint cut another way")
+    if not early:
+        fail("11.1", f"rank {r}'s save_sharded returned before the checkpoint was complete: a "
+             "load called right after it found another rank's file or the index missing (it "
+             "loads equal once every rank has finished). End the save with dist.barrier(), so "
+             "that no rank returns before every rank's files are written")  # fmt: skip
     return True
 
 
