@@ -207,3 +207,15 @@ def test_flight_recorder_off_says_so(runs_root):
     assert fr.records == {0: [], 1: []}
     assert "recorded nothing on gloo" in fr.note and "TORCH_FR_BUFFER_SIZE=0" in fr.note
     assert hangs.first_disagreement(fr.records) is None
+
+
+@pytest.mark.floor
+def test_a_torch_without_gloos_recorder_says_so(runs_root):
+    """Torch 2.6 has NCCL's flight recorder only: the dump is a note, not an AttributeError."""
+    from torch._C import _distributed_c10d as c10d
+
+    if hasattr(c10d, "_dump_fr_trace"):
+        pytest.skip(f"torch {torch.__version__} records gloo's collectives (tested above)")
+    fr = hangs.flight_record("op", pg_timeout=2.0)
+    assert fr.records == {0: [], 1: []} and "has no flight recorder for gloo" in fr.note
+    assert hangs.first_disagreement(fr.records) is None

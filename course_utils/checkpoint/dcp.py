@@ -15,10 +15,11 @@ collectives of its own (planning, the metadata's gather), so it needs **its own 
 the training loop all-reduces on it hung here (the two threads' collectives interleave on one
 group). Wait on the returned future before the next save, and before the process exits.
 
-On torch 2.6 (read in its source, not run here) ``async_save`` asserts that the group it uses
-has a CPU backend ("A CPU backend must be enabled for async save; try initializing process group
-with 'cpu:gloo,cuda:nccl'"), copies the state to CPU and writes it from a thread: a gloo group
-passes, and the same reason for a group of its own holds.
+On torch 2.6 ``async_save`` asserts that the group it uses has a CPU backend ("A CPU backend must
+be enabled for async save; try initializing process group with 'cpu:gloo,cuda:nccl'"), moves the
+state to CPU and writes it from a thread. Tensors already on the CPU it does not copy (``.to("cpu")``
+returns them): the thread wrote the parameters as training changed them after the call (a test
+on torch 2.6 caught it). Torch versions without ``staging.DefaultStager`` get the copy made here.
 
 ``dcp.load`` fills the tensors of the state dict it is given in place; with the default
 ``StateDictOptions`` those are the model's parameters and the optimizer's state themselves, so
@@ -33,9 +34,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import staging
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils._pytree import tree_map
 
 
 def state_dict(model, optimizer=None) -> dict:
@@ -68,7 +72,15 @@ def async_save(model, optimizer, folder, *, process_group, extra: dict | None = 
             "collectives would interleave with the training loop's on the default one and hang"
         )
     state = {**state_dict(model, optimizer), **(extra or {})}
+    if not hasattr(staging, "DefaultStager"):  # torch 2.6: CPU tensors would be written live
+        state = tree_map(_cpu_copy, state)
     return dcp.async_save(state, checkpoint_id=str(folder), process_group=process_group)
+
+
+def _cpu_copy(x):
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        return x.detach().clone()
+    return x
 
 
 def load(model, optimizer, folder, *, extra: dict | None = None) -> dict:

@@ -190,6 +190,8 @@ def dump() -> dict:
     completed), ``version``."""
     from torch._C import _distributed_c10d as c10d
 
+    if not hasattr(c10d, "_dump_fr_trace"):  # torch 2.6: NCCL's recorder only (_dump_nccl_trace)
+        return {"missing": True}
     return pickle.loads(c10d._dump_fr_trace(True, True, False))
 
 
@@ -233,9 +235,14 @@ def flight_record(kind: str = "op", pg_timeout: float = 3.0, buffer: int | None 
     records = {r: [Record.from_entry(e) for e in v["dump"].get("entries", [])]
                for r, v in enumerate(res)}  # fmt: skip
     n = sum(map(len, records.values()))
-    note = (f"{n} records from {len(res)} ranks (torch {torch.__version__}, gloo)" if n else
-            f"the flight recorder recorded nothing on gloo (torch {torch.__version__}, "
-            f"TORCH_FR_BUFFER_SIZE={buffer if buffer is not None else 'unset'})")  # fmt: skip
+    if any(v["dump"].get("missing") for v in res):
+        note = (f"torch {torch.__version__} has no flight recorder for gloo (only NCCL's, "
+                "torch._C._distributed_c10d._dump_nccl_trace); torch 2.14.1 records gloo's "
+                "collectives too")  # fmt: skip
+    else:
+        note = (f"{n} records from {len(res)} ranks (torch {torch.__version__}, gloo)" if n else
+                f"the flight recorder recorded nothing on gloo (torch {torch.__version__}, "
+                f"TORCH_FR_BUFFER_SIZE={buffer if buffer is not None else 'unset'})")  # fmt: skip
     errors = {r: v["error"] for r, v in enumerate(res)}
     return FlightRecord(records, errors, {r: v["dump"].get("pg_status", {}) for r, v in
                                           enumerate(res)}, note)  # fmt: skip
