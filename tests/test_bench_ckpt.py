@@ -58,4 +58,4 @@ def test_bench_ckpt_cli_reports_bytes_loads_and_stalls(runs_root, tmp_path, caps
     assert len(row["sync"]) == len(row["async"]) == len(row["async_call"]) == 1
     assert row["sync"][0] > 0 and row["async"][0] >= row["async_call"][0] > 0
     text = bench_ckpt.table(r)
-    assert text.count("\n| 2 | ") == 3 and "P=2: stall: " in text
+    assert text.count("\n| 2 | ") == 3 and "P=2: stall, async / sync " in text

@@ -261,8 +261,13 @@ def table(r: dict) -> str:
         )
     out.append("")
     for row in r["rows"]:
-        s, d = row["sharded"]["save_s"], row["dcp"]["save_s"]
-        q = statistics.median(s) / statistics.median(d)
-        out.append(f"P={row['P']}: stall: {conclude(row['async'], row['sync'], 'async', 'sync')}; "
-                   f"save time, sharded / DCP {q:.2f}: {conclude(s, d, 'sharded', 'DCP')}")  # fmt: skip
+        q = statistics.median(row["async"]) / statistics.median(row["sync"])
+        said = [
+            f"stall, async / sync {q:.2f}: {conclude(row['async'], row['sync'], 'async', 'sync')}"
+        ]
+        for what in ("save", "load"):
+            s, d = row["sharded"][f"{what}_s"], row["dcp"][f"{what}_s"]
+            q = statistics.median(s) / statistics.median(d)
+            said.append(f"{what} time, sharded / DCP {q:.2f}: {conclude(s, d, 'sharded', 'DCP')}")
+        out.append(f"P={row['P']}: " + "; ".join(said))
     return "\n".join(out)
