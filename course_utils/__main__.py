@@ -8,6 +8,7 @@ python -m course_utils bench zero [--world-sizes 2 4] [--rounds 3] [--json]
 python -m course_utils bench modelled [--json]
 python -m course_utils bench cp [--world-sizes 2 4] [--rounds 3] [--json]
 python -m course_utils bench moe [--world-sizes 2 4] [--rounds 3] [--json]
+python -m course_utils bench ckpt [--world-sizes 1 2 4] [--rounds 5] [--mb 24] [--dir DIR] [--json]
 python -m course_utils course --out build [--size ci|cpu|gpu] [--only 01]
 python -m course_utils preflight --out DIR [--size gpu] [--only 01 03]
 python -m course_utils copies --kind student|answers --out build/student
@@ -158,6 +159,23 @@ def _modelled_run(args) -> None:
     _report(args, bench_modelled.run, bench_modelled.table)
 
 
+def _ckpt_args(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4], metavar="P")
+    b.add_argument("--rounds", type=int, default=5)
+    b.add_argument("--mb", type=float, default=24.0, help="MB of state: parameters, Adam moments")
+    b.add_argument("--dir", default=None, help="where the checkpoints go (removed afterwards)")
+    b.add_argument("--json", action="store_true")
+
+
+def _ckpt_run(args) -> None:
+    from .bench import ckpt as bench_ckpt
+
+    run = functools.partial(
+        bench_ckpt.run, args.world_sizes, args.rounds, mb=args.mb, folder=args.dir
+    )
+    _report(args, run, bench_ckpt.table)
+
+
 def _traces_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--ranks", type=int, default=8)
     t.add_argument("--mb", type=float, default=50.0, help="size of each trace")
@@ -215,6 +233,11 @@ BENCHES: dict[str, tuple[str, Callable, Callable]] = {
         "expert parallelism vs one process vs replicated experts: time, values, load",
         _world_sizes_args([2, 4], "N", rounds=3),
         _moe_run,
+    ),
+    "ckpt": (
+        "sharded save/load MB/s per rank (course's, DCP), async_save's stall against a sync save",
+        _ckpt_args,
+        _ckpt_run,
     ),
     "traces": (
         "parse + analyse speed on 8 generated ~50 MB rank traces",
