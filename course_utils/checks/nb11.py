@@ -1,5 +1,6 @@
 """Checks for notebook 11 (checkpoints and failures): a sharded save and load with an index (11.1),
-what a restart must put back to equal an uninterrupted run (11.2), Young's interval (11.3)."""
+what a restart must put back to equal an uninterrupted run (11.2), the interval of best goodput
+(11.3)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ PACKAGE_RESUME = (
 )
 PACKAGE_INTERVAL = (
     "that is the package's interval (course_utils.checkpoint.interval), which the check compares "
-    "with: write the formula yourself"
+    "with: compute the MTBF and search for the best τ yourself (interval.goodput, the model, you "
+    "may call)"
 )
 
 
@@ -355,53 +357,90 @@ def check_resume(snapshot_state, restore_state) -> None:
            "to the uninterrupted run's")  # fmt: skip
 
 
-# ---- 11.3: Young's interval -------------------------------------------------------------------
+# ---- 11.3: the interval that maximizes goodput ------------------------------------------------
+
+HIDDEN = interval.FailureRecord(interruptions=70, unexpected=61, days=21, gpus=3072,
+                                source="a made-up record for the check")  # fmt: skip
+# (cost, restart, job GPUs, record): a cheap save (Young's formula holds), then costlier ones, up to
+# C = 0.2 M, where Young's interval is 25 % too long
+INTERVAL_CASES = [(5.0, 300.0, 1024, interval.LLAMA3), (60.0, 600.0, 16384, interval.LLAMA3),
+                  (300.0, 900.0, 4096, HIDDEN), (2000.0, 600.0, 9216, HIDDEN)]  # fmt: skip
+TAU_TOLERANCE = 0.01  # a τ this close to the best passes
+GOODPUT_TOLERANCE = 1e-6  # so does one whose goodput is this close to the best's
+YOUNG_FIRST_ORDER = (
+    "that is Young's sqrt(2·C·M): the first-order formula misses the optimum when saves are "
+    "costly (here C/M = {:.3g} already puts it more than 1% off); search Daly's goodput, "
+    "interval.goodput(τ, C, R, M), for the τ that maximizes it (Young's τ is a good place to "
+    "start, the optimum lies below it)"
+)
 
 
-def _candidates(cost: float, gpus: int, rec) -> dict[str, float]:
-    """Values the usual mistakes give, each with its hint."""
+def _candidates(cost: float, restart: float, gpus: int, rec) -> dict[str, tuple[float, ...]]:
+    """The intervals the usual slips give (the best one for a wrong MTBF or swapped costs, and
+    Young's for the same), each with its hint; a wrong MTBF that equals the right one for this
+    case (the record's own job size) is left out."""
     per_job = rec.days * interval.DAY / rec.unexpected
     m = per_job * rec.gpus / gpus
-    every = rec.days * interval.DAY / rec.interruptions * rec.gpus / gpus
-    return {
+    wrong_m = {
         "the MTBF of the published job was used as is: a job of fewer GPUs fails less often "
-        "(M = M_published · published GPUs / your GPUs)": math.sqrt(2 * cost * per_job),
+        "(M = M_published · published GPUs / your GPUs)": per_job,
         "the published GPUs over yours is upside down: fewer GPUs fail less often, so the MTBF "
-        "grows": math.sqrt(2 * cost * per_job * gpus / rec.gpus),
+        "grows": per_job * gpus / rec.gpus,
         "all interruptions were counted: the planned ones (maintenance) do not strike at "
-        "random; count the unexpected ones": math.sqrt(2 * cost * every),
-        "the factor 2 is missing: τ = sqrt(2·C·M)": math.sqrt(cost * m),
-        "the interval must be in seconds, like the cost (the MTBF came out in hours or days)": (
-            math.sqrt(2 * cost * m / 3600)
-        ),
-        "that is the waste's other term: Young's interval is sqrt(2·C·M), not 2·C·M or C·M": (
-            2 * cost * m
-        ),
+        "random; count the unexpected ones": rec.days
+        * interval.DAY
+        / rec.interruptions
+        * rec.gpus
+        / gpus,
+        "the MTBF must be in seconds, like the cost (it came out in hours)": m / 3600,
     }
+    out = {h: (interval.best_interval(cost, restart, w), interval.young_interval(cost, w))
+           for h, w in wrong_m.items() if not math.isclose(w, m)}  # fmt: skip
+    out["the interval must be in seconds, like the cost (it came out in hours)"] = (
+        interval.best_interval(cost, restart, m) / 3600,
+    )
+    out["cost and restart are swapped: interval.goodput(τ, C, R, M) takes the save's cost C "
+        "before the restart R"] = (interval.best_interval(restart, cost, m),)  # fmt: skip
+    return out
+
+
+def _judge_interval(got, cost, restart, gpus, rec, best, hints) -> None:
+    """Fail with the slip ``got`` matches, else with how far its goodput falls short."""
+    where = f"C = {cost:g} s, R = {restart:g} s on {gpus:,} GPUs with a record of {rec.gpus:,}"
+    try:
+        got = float(got)
+    except (TypeError, ValueError):
+        fail("11.3", f"return a number of seconds, not {type(got).__name__}")
+    if not got > 0 or math.isinf(got):
+        fail("11.3", f"with {where}: return a positive, finite number of seconds, not {got}")
+    m = rec.days * interval.DAY / rec.unexpected * rec.gpus / gpus
+    g_best, g = interval.goodput(best, cost, restart, m), interval.goodput(got, cost, restart, m)
+    if abs(got / best - 1) <= TAU_TOLERANCE or g >= g_best - GOODPUT_TOLERANCE:
+        return
+    for hint, values in hints.items():
+        if any(math.isclose(got, v, rel_tol=TAU_TOLERANCE) for v in values):
+            fail("11.3", f"with {where}: {hint}")
+    if math.isclose(got, interval.young_interval(cost, m), rel_tol=2e-3):
+        fail("11.3", f"with {where}: {YOUNG_FIRST_ORDER.format(cost / m)}")
+    fail("11.3", f"with {where}, your τ is too {'long' if got > best else 'short'}: its goodput "
+         f"{g:.6f} is {g_best - g:.2g} below the best τ's. M = days · 86,400 / unexpected "
+         "interruptions · record GPUs / job GPUs; then find the τ that maximizes "
+         f"interval.goodput(τ, C, R, M) to within {TAU_TOLERANCE:.0%} (a coarse grid or a loose "
+         "search stops short)")  # fmt: skip
 
 
 def check_interval(checkpoint_interval) -> None:
-    """Exercise 11.3: ``checkpoint_interval(cost, gpus, record) -> seconds`` (Young)."""
-    hidden = interval.FailureRecord(interruptions=70, unexpected=61, days=21, gpus=3072,
-                                    source="a made-up record for the check")  # fmt: skip
-    cases = [(60.0, 16384, interval.LLAMA3), (20.0, 1024, interval.LLAMA3), (300.0, 4096, hidden),
-             (5.0, 3072, hidden)]  # fmt: skip
-    wants = [interval.young_interval(c, rec.job_mtbf(g)) for c, g, rec in cases]
-    refs = [interval.young_interval, interval.daly_interval, interval.FailureRecord.job_mtbf]
+    """Exercise 11.3: ``checkpoint_interval(cost, restart, gpus, record) -> seconds``, the work
+    between checkpoints that maximizes Daly's goodput, found by a search the student writes."""
+    wants, hints = [], []
+    for cost, restart, gpus, rec in INTERVAL_CASES:  # before the package's functions are refused
+        wants.append(interval.best_interval(cost, restart, rec.job_mtbf(gpus)))
+        hints.append(_candidates(cost, restart, gpus, rec))
+    refs = [interval.young_interval, interval.daly_interval, interval.best_interval,
+            interval.FailureRecord.job_mtbf]  # fmt: skip
     with refuse_calls("11.3", refs, PACKAGE_INTERVAL):
-        for (cost, gpus, rec), want in zip(cases, wants):
-            got = checkpoint_interval(cost, gpus, rec)
-            where = f"C = {cost:g} s on {gpus:,} GPUs with a record of {rec.gpus:,} GPUs"
-            try:
-                got = float(got)
-            except (TypeError, ValueError):
-                fail("11.3", f"return a number of seconds, not {type(got).__name__}")
-            if math.isclose(got, want, rel_tol=1e-6):
-                continue
-            for hint, value in _candidates(cost, gpus, rec).items():
-                if math.isclose(got, value, rel_tol=1e-6):
-                    fail("11.3", f"with {where}: {hint}")
-            fail("11.3", f"with {where}, your interval is off by a factor {got / want:.3g}: "
-                 "M = days · 86,400 / unexpected interruptions · record GPUs / job GPUs, "
-                 "τ = sqrt(2·C·M)")  # fmt: skip
-    passed("11.3", "Young's interval for four costs and job sizes, two failure records")
+        gots = [checkpoint_interval(*case) for case in INTERVAL_CASES]
+    for got, case, best, hint in zip(gots, INTERVAL_CASES, wants, hints):
+        _judge_interval(got, *case, best, hint)
+    passed("11.3", f"the τ of best goodput within {TAU_TOLERANCE:.0%} for four costs, from "
+           "C/M = 3e-5 to 0.2, job sizes and two failure records")  # fmt: skip
