@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.counting import tensors
 from ..launcher import LaunchError, RankTimeoutError
 from ..measure import max_abs_diff
 from ..models import ToyMLP
@@ -73,19 +74,9 @@ class _StatisticsOnly(OnlyCommunication):
         if namespace == "aten" and name in BATCH_NORM_OPS:
             fail("03b.1", BUILT_IN)
         if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
-            tensors = _tensors(args) + _tensors(list((kwargs or {}).values()))
-            self.sent += sum(t.numel() * t.element_size() for t in tensors)
+            sent = tensors(args) + tensors(list((kwargs or {}).values()))
+            self.sent += sum(t.numel() * t.element_size() for t in sent)
         return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-def _tensors(values) -> list:
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out += _tensors(v)
-    return out
 
 
 # (rows of rank 0, then per rank 5 more; the channel dimension; the rest), an offset and a spread:
