@@ -123,9 +123,16 @@ def test_rank_killed_by_signal_leaves_nothing(runs_root):
     assert wait_dead(recorded_tree(runs_root)) == []
 
 
-def test_timeout_leaves_nothing(runs_root):
+def test_timeout_leaves_nothing(runs_root, tmp_path, monkeypatch):
+    # A run that ends well first, in a folder of its own, starts the ranks' forkserver (torch
+    # imported): the hanging ranks then have their children within a second or two, well inside a
+    # 10 s timeout that is waited out in full (25 s before, most of it margin for a cold start).
+    # Ranks too slow for it fail loudly: recorded_tree asserts every rank's children were there.
+    with monkeypatch.context() as mp:
+        mp.setenv("COURSE_RUNS_DIR", str(tmp_path / "warm-up"))
+        launch(with_children, 2, how="ok", echo=False)
     with pytest.raises(RankTimeoutError):
-        launch(with_children, 2, how="hang", timeout=25, echo=False)
+        launch(with_children, 2, how="hang", timeout=10, echo=False)
     assert wait_dead(recorded_tree(runs_root)) == []
 
 

@@ -222,7 +222,11 @@ def where(python, names, env, cwd) -> dict:
 def test_site_torch_venv_installs_only_what_is_missing(site, tmp_path):
     import torch
 
-    env = site_env(site)
+    # pip writes no bytecode for the packages it installs here (about 20 s of compileall on 2
+    # cores): nothing below reads it. pip reads PIP_NO_COMPILE as the value of its "compile"
+    # setting, so "0" is what turns compiling off (pip 23.2 here; were that ever read the other
+    # way round, pip would compile again: slower, nothing else)
+    env = site_env(site) | {"PIP_NO_COMPILE": "0"}
     _, rest = setup_env.read_requirements(ROOT / "requirements.txt")
     names = [re.split(r"[=<>!~\[; ]", r, maxsplit=1)[0] for r in rest]
     floors = setup_env.minimum_versions(ROOT / "pyproject.toml")

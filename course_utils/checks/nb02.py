@@ -30,6 +30,10 @@ CASES = [
 ]
 
 
+# how long a replica's forward waits at the barrier for the other replicas before the check calls
+# them sequential; only a sequential answer ever waits it out (tests shorten it for those)
+REPLICA_WAIT_S = 10.0
+
 _WATCHES: dict[
     int, dict
 ] = {}  # token -> {"calls": [...], "barrier": Barrier}: shared by deep copies
@@ -184,8 +188,9 @@ def _run(number: str, step, make, batch: int, k: int):
     y = torch.randint(4, (batch,), generator=g)
     chunks = len(x.chunk(k))
     token = len(_WATCHES) + 1
+    barrier = threading.Barrier(chunks, timeout=REPLICA_WAIT_S)
     _WATCHES[token] = {"calls": [], "lock": threading.Lock(), "broken": False, "outputs": {},
-                       "gathers": [], "barrier": threading.Barrier(chunks, timeout=10)}  # fmt: skip
+                       "gathers": [], "barrier": barrier}  # fmt: skip
     model = _Watched(make().double(), token)
     gathers = _Gathers()
     try:
@@ -218,9 +223,9 @@ def _check(number: str, step, no_gather: bool) -> None:
                  "(a shallow copy shares them): each replica needs a copy of the parameters, as "
                  "copy.deepcopy makes")  # fmt: skip
         if watch["broken"]:
-            fail(number, f"{where}, the replicas did not run at the same time (one waited 10 s "
-                 "for the others): parallel_apply starts every replica's forward in a thread "
-                 "of its own before waiting for any")  # fmt: skip
+            fail(number, f"{where}, the replicas did not run at the same time (one waited "
+                 f"{REPLICA_WAIT_S:g} s for the others): parallel_apply starts every replica's "
+                 "forward in a thread of its own before waiting for any")  # fmt: skip
         if no_gather and watch["gathers"]:
             fail(number, f"{where}, your backward ran through a {watch['gathers'][0]} that "
                  "combined the outputs of several replicas before any loss: compute each "
