@@ -23,8 +23,9 @@ or ``TORCH_NCCL_TRACE_BUFFER_SIZE``, default 2000 entries; 0 turns it off), read
 ``_dump_fr_trace_json``; ``_dump_nccl_trace_json`` is NCCL's own recorder and holds no entry on
 gloo. Each record has the op (``gloo:all_reduce``), input and output sizes and dtypes, the
 collective sequence number per group and ``retired``; the state stays ``scheduled`` (gloo gives
-the recorder no start or end events) and ``retired`` turns true when the work ends, in success or
-in error. Sends and recvs are not recorded. A gloo rank stuck in a collective cannot dump (its
+the recorder no start or end events) and ``retired`` turns true when the work completes (the
+collective that timed out was not yet retired when :func:`flight_worker` dumped, in notebook 11's
+runs). Sends and recvs are not recorded. A gloo rank stuck in a collective cannot dump (its
 thread waits): the process group's timeout has to end the wait first, as here; NCCL's watchdog
 thread instead dumps on a timeout by itself (``TORCH_NCCL_DUMP_ON_TIMEOUT``).
 
@@ -148,7 +149,8 @@ class Record:
     state: str
     """``scheduled``, ``started`` or ``completed``; gloo's records stay ``scheduled``."""
     retired: bool
-    """The backend let go of the work: it ended (gloo retires a work that failed too)."""
+    """The backend let go of the work: it completed (on gloo, a collective that timed out was not
+    yet retired when its rank dumped right after the error)."""
     p2p: bool
     """A send or recv (numbered by ``p2p_seq``), not a collective."""
     where: str | None = None
