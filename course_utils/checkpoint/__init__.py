@@ -7,7 +7,8 @@
 - :mod:`.dcp`: the same with ``torch.distributed.checkpoint``, synchronous and asynchronous;
 - :mod:`.resume`: what a restart needs to equal an uninterrupted run bit for bit (RNG states, data
   position, step);
-- :mod:`.interval`: Young's and Daly's optimal checkpoint interval, goodput, Llama 3's failure rate;
+- :mod:`.interval`: Young's and Daly's checkpoint interval, goodput and its exact optimum
+  (:func:`.interval.best_interval`), Llama 3's failure rate;
 - :mod:`.contents`: the bytes a checkpoint holds per rank under each layout, by formula;
 - :mod:`.failures`: a rank killed mid-step and the job resumed bit for bit under ``launch``, the
   work lost; :mod:`.elastic_demo`: the same under ``torchrun --max-restarts``;
