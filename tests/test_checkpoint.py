@@ -482,3 +482,8 @@ def test_contents_formulas():
     assert contents.chunked_bytes([(5, 2)], 4, 1) == [4, 4, 2, 0]  # torch.chunk: 2, 2, 1, none
     assert contents.layout_bytes("ddp", 8e9, 64, 16) == 16 * 8e9
     assert contents.layout_bytes("zero3", 8e9, 64, 16) == 16 * 8e9 / 64
+    assert contents.layout_bytes("ddp", 8e9, 64, 16, balanced=True) == 16 * 8e9 / 64
+    assert contents.layout_bytes("tp", 8e9, 64, 16, tp=8) == 16 * 8e9 / 8  # 8 replicas: one writes
+    assert contents.layout_bytes("tp", 8e9, 64, 16, tp=8, balanced=True) == 16 * 8e9 / 64
+    with pytest.raises(ValueError, match="divide"):
+        contents.layout_bytes("tp", 8e9, 64, 16, tp=6)
