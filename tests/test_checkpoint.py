@@ -445,6 +445,25 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, runs_root):
     assert torch.equal(w, torch.arange(12, dtype=D).reshape(4, 3)) and loaded.meta == {"step": 1}
 
 
+def test_index_reaches_the_disk_before_the_rename(tmp_path, monkeypatch):
+    # a power loss after the rename must not find the committed folder's index empty
+    events = []
+    fsync = sharded.os.fsync
+
+    def record_fsync(fd):
+        events.append(("fsync", Path(sharded.os.readlink(f"/proc/self/fd/{fd}")).name))
+        fsync(fd)
+
+    commit = sharded._commit
+    monkeypatch.setattr(sharded.os, "fsync", record_fsync)
+    monkeypatch.setattr(sharded, "_commit", lambda *a: (events.append(("commit",)), commit(*a)))
+    w = torch.arange(6, dtype=D)
+    save(ShardedState([layouts.whole("w", w)]), tmp_path / "step-1", rank=0, world_size=1)
+    assert ("fsync", "index.json") in events
+    assert events.index(("fsync", "index.json")) < events.index(("commit",))
+    assert read_index(tmp_path / "step-1")["files"]
+
+
 # --- DCP -------------------------------------------------------------------------------------
 def dcp_save_async_and_load(ctx, root):
     from course_utils.checkpoint import dcp
@@ -533,3 +552,8 @@ def test_contents_formulas():
     assert contents.chunked_bytes([(5, 2)], 4, 1) == [4, 4, 2, 0]  # torch.chunk: 2, 2, 1, none
     assert contents.layout_bytes("ddp", 8e9, 64, 16) == 16 * 8e9
     assert contents.layout_bytes("zero3", 8e9, 64, 16) == 16 * 8e9 / 64
+    assert contents.layout_bytes("ddp", 8e9, 64, 16, balanced=True) == 16 * 8e9 / 64
+    assert contents.layout_bytes("tp", 8e9, 64, 16, tp=8) == 16 * 8e9 / 8  # 8 replicas: one writes
+    assert contents.layout_bytes("tp", 8e9, 64, 16, tp=8, balanced=True) == 16 * 8e9 / 64
+    with pytest.raises(ValueError, match="divide"):
+        contents.layout_bytes("tp", 8e9, 64, 16, tp=6)

@@ -13,11 +13,12 @@ order of the two methods reversed every other round), each of:
   saved state. Times are each rank's, from a common barrier to its own return; the slowest rank's
   counts. Bytes per rank: the files on disk. MB/s per rank: the fullest rank's bytes over the
   slowest rank's seconds. The load reads files just written, from the page cache.
-- **stall:** what notebook 11's ``async_stalls`` measures: a synchronous ``dcp.save``; a
-  ``dcp.async_save`` on a gloo group of its own, whose call returns once the state is staged, then
-  ``steps_after`` training steps, then the wait for what is left of the write. The stall is the
-  time the training loop is blocked (the call, plus the wait); the synchronous save runs the same
-  steps after it. The slowest rank's stall counts (the notebook times rank 0).
+- **stall:** what notebook 11's ``async_stalls`` measures: three arms (their order rotated round by
+  round), each ``steps_after`` training steps after no save, after a synchronous ``dcp.save``, and
+  after a ``dcp.async_save`` on a gloo group of its own followed by the wait on its future. The
+  stall of a save is its arm's time minus the no-save arm's, in the same round: it includes what
+  the background writer (a thread of the training process) slows the steps it overlaps. The
+  slowest rank's times count.
 
     python -m course_utils bench ckpt --world-sizes 1 2 4 --rounds 5 --mb 24
 """
@@ -48,6 +49,7 @@ from . import provenance
 
 LAYERS, BATCH = 4, 16
 METHODS = ("sharded", "dcp")
+ARMS = ("none", "sync", "async")  # the stall's rounds: no save, a synchronous one, an async one
 
 
 def width_for(mb: float) -> int:
@@ -120,21 +122,21 @@ def _save_load_round(ctx, model, opt, fresh, root: Path, i: int) -> dict:
     return out
 
 
-def _stall(kind: str, model, opt, step, folder: Path, group, steps_after: int) -> tuple:
-    """(stall, the call's part): the seconds a save blocks the loop, waits included."""
+def _round(kind: str, model, opt, step, folder: Path, group, steps_after: int) -> tuple:
+    """(the round's seconds, the save call's part): a save of ``kind`` (``"none"``, ``"sync"``,
+    ``"async"``), ``steps_after`` training steps, then the wait for an async save's future."""
     t0 = time.perf_counter()
+    pending = None
     if kind == "sync":
         course_dcp.save(model, opt, folder)
-        pending = None
-    else:
+    elif kind == "async":
         pending = course_dcp.async_save(model, opt, folder, process_group=group)
     call = time.perf_counter() - t0
     for _ in range(steps_after):
-        step()  # training goes on while an async save writes
-    t0 = time.perf_counter()
+        step()  # training goes on while an async save writes (and is slowed by it)
     if pending is not None:
-        pending.result()  # what is left of the write, waited for before the next save
-    return call + time.perf_counter() - t0, call
+        pending.result()  # the caller waits before the next save: async_save does not
+    return time.perf_counter() - t0, call
 
 
 def ckpt_worker(ctx, root: str, width: int, rounds: int, steps_after: int) -> dict:
@@ -152,15 +154,19 @@ def ckpt_worker(ctx, root: str, width: int, rounds: int, steps_after: int) -> di
 
     step()
     group = course_dcp.checkpoint_group()  # the background save's own group
-    rows, stalls = [], {"sync": [], "async": [], "async_call": []}
+    rows, stalls = [], {"none_round": [], "sync": [], "async": [], "async_call": []}
     for i in range(rounds):
         rows.append(_save_load_round(ctx, model, opt, fresh, root, i))
-        for kind in ("sync", "async") if i % 2 == 0 else ("async", "sync"):
+        seconds = {}
+        for kind in ARMS[i % 3 :] + ARMS[: i % 3]:  # the arms' order rotates round by round
             dist.barrier()
-            s, call = _stall(kind, model, opt, step, root / f"{kind}-{i}", group, steps_after)
-            stalls[kind].append(_slowest(s, ctx.device))
+            t, call = _round(kind, model, opt, step, root / f"{kind}-{i}", group, steps_after)
+            seconds[kind] = _slowest(t, ctx.device)
             if kind == "async":
                 stalls["async_call"].append(_slowest(call, ctx.device))
+        stalls["none_round"].append(seconds["none"])
+        for kind in ("sync", "async"):  # the stall: the round's excess over the no-save round
+            stalls[kind].append(seconds[kind] - seconds["none"])
         dist.barrier()
         if ctx.rank == 0:
             for p in root.glob(f"*-{i}"):
@@ -248,9 +254,9 @@ def table(r: dict) -> str:
                 f"{mb / statistics.median(d['save_s']):.0f} | {_spread(d['load_s'])} | "
                 f"{mb / statistics.median(d['load_s']):.0f} | {d['load_max_diff'] == 0.0} |"
             )
-    out += ["", f"stall per checkpoint, {c['steps_after']} training steps after each save "
-            "(median (min-max) ms, slowest rank):", "",
-            "| P | sync save | async_save (call + wait) | its call (staging) | async / sync |",
+    out += ["", f"stall per checkpoint: a round of {c['steps_after']} training steps after the "
+            "save, minus the same round without a save (median (min-max) ms, slowest rank):", "",
+            "| P | sync save | async_save + wait | its call (staging) | async / sync |",
             "| ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for row in r["rows"]:
         q = statistics.median(row["async"]) / statistics.median(row["sync"])

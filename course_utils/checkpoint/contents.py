@@ -3,15 +3,18 @@
 A training checkpoint holds the parameters and the optimizer state, not the gradients (the next
 step recomputes them). With Adam that is, per parameter, the parameter and two moments: ``(1 + 2)``
 values, 24 bytes in float64 (the course's tests), 12 in float32; mixed precision keeps an fp32
-master copy besides the bf16 weights (``2 + 12`` bytes). ``b`` below is the bytes per parameter
+master copy and fp32 moments (12 bytes; some frameworks also save the bf16 weights, ``2 + 12``,
+which the master copy could regenerate). ``b`` below is the bytes per parameter
 of all of them together (:func:`bytes_per_parameter`). For ``Ψ`` parameters over ``n`` ranks:
 
 ==========  ==========================================================================
 layout      bytes rank ``r`` writes
 ==========  ==========================================================================
-DDP         ``bΨ`` on rank 0, nothing elsewhere (every rank holds it all: one writes)
+DDP         ``bΨ`` on rank 0, nothing elsewhere (every rank holds it all; the package's rule:
+            the lowest rank writes a replicated tensor; DCP would split it over the ranks)
 ZeRO-1/2/3  ``b·|[rS, (r+1)S) ∩ [0, Ψ)|``, ``S = ceil(Ψ/n)``: the stage does not matter, as
-            gradients are not saved and the course saves parameters from the shards too
+            gradients are not saved and the course saves parameters from the shards too (under
+            ZeRO-1/2 every rank holds all parameters; it writes the 1/n it steps)
 FSDP2       ``b·Σ`` rows ``chunk(n, 0)[r]`` of each parameter (about ``bΨ/n``)
 TP          the cut tensors' ``1/t`` plus, on rank 0, the tensors every rank holds whole
 PP          the stage's own layers, whole
@@ -68,10 +71,19 @@ def pipeline_bytes(stage_params: list[int], b: int) -> list[int]:
     return [b * n for n in stage_params]
 
 
-def layout_bytes(layout: str, num_params: float, world_size: int, b: float) -> float:
-    """The largest rank's bytes, paper style (layers cut evenly): the sizing question."""
+def layout_bytes(layout: str, num_params: float, world_size: int, b: float, *, tp: int = 1,
+                 balanced: bool = False) -> float:  # fmt: skip
+    """The largest rank's bytes, paper style (layers cut evenly): the sizing question.
+
+    Replicated state (DDP's everything; under ``"tp"``, each TP shard held by ``world_size / tp``
+    data-parallel replicas) is written by the lowest rank holding it (the package's rule), or, with
+    ``balanced``, split evenly over its holders (DCP's planner, or ZeRO-1 over the replicas)."""
     if layout == "ddp":
-        return b * num_params
-    if layout in ("zero1", "zero2", "zero3", "fsdp2", "tp", "pp"):
+        return b * num_params / (world_size if balanced else 1)
+    if layout == "tp":
+        if world_size % tp:
+            raise ValueError(f"tp={tp} must divide world_size={world_size}")
+        return b * num_params / tp / (world_size // tp if balanced else 1)
+    if layout in ("zero1", "zero2", "zero3", "fsdp2", "pp"):
         return b * num_params / world_size
     raise ValueError(f"layout must be ddp, zero1, zero2, zero3, fsdp2, tp or pp, not {layout!r}")

@@ -13,7 +13,10 @@ returns, and a background thread writes the files while training goes on. The ba
 collectives of its own (planning, the metadata's gather), so it needs **its own process group**
 (:func:`checkpoint_group`): on torch 2.14.1 with gloo, an async save on the default group while
 the training loop all-reduces on it hung here (the two threads' collectives interleave on one
-group). Wait on the returned future before the next save, and before the process exits.
+group). The caller must wait on the returned future before the next save, and before the process
+exits: ``dcp.async_save`` does not order successive calls itself (PyTorch recommends one
+asynchronous save in flight at a time). The writer is a thread of the training process: the write
+leaves the critical path, not the machine (it competes with the training steps it overlaps).
 
 On torch 2.6 ``async_save`` asserts that the group it uses has a CPU backend ("A CPU backend must
 be enabled for async save; try initializing process group with 'cpu:gloo,cuda:nccl'"), moves the

@@ -17,13 +17,14 @@ rank 0, which writes the index. Loading: no communication at all; each rank read
 needs, the stretches that overlap what it holds now. That is resharding: the index says where
 every element is, so the reader's layout need not be the writer's.
 
-**One index, written by rank 0 after the gather.** It is the checkpoint's commit record: it
-exists only once every rank's file was written, and it lists their sizes. Per-rank index files
-would leave the reader counting files to decide whether a checkpoint is complete.
+**One index, written by rank 0 after the gather.** It exists only once every rank's file was
+written, and it lists their sizes. Per-rank index files would leave the reader counting files to
+decide whether a checkpoint is complete.
 
-**Atomic.** Everything is written into ``<folder>.partial``; rank 0 renames it to ``<folder>`` after
-the index, and every rank waits for the rename. A crash mid-save leaves a ``.partial`` folder
-without an index, which :func:`latest` and :func:`load` never take for a checkpoint.
+**Atomic: the rename is the commit.** Everything is written into ``<folder>.partial`` and fsynced
+(the index too); rank 0 then renames it to ``<folder>``, and every rank waits for the rename. A
+crash mid-save leaves a ``.partial`` folder, which :func:`latest` and :func:`load` never take for a
+checkpoint (DCP, which writes in place, commits with its ``.metadata`` instead: :mod:`.dcp`).
 
 Taught in notebook 11; the layouts' slices come from :mod:`.layouts`.
 """
@@ -140,6 +141,15 @@ def _fsync_save(obj, path: Path) -> int:
     return path.stat().st_size
 
 
+def _fsync_write(path: Path, text: str) -> None:
+    """``path.write_text(text)``, flushed to disk: after a power loss the committed folder's rename
+    must not be durable while the index it commits is empty."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _plan(mine: list[Slice], group, world_size: int) -> tuple[list[list[Slice]], set[int]]:
     """Every rank's slices (one ``all_gather_object`` of descriptions) and which of this rank's
     it writes: a slice held by several ranks (replicated) is written by the lowest of them."""
@@ -184,7 +194,7 @@ def save(state: ShardedState, folder, *, rank: int, world_size: int, group=None)
         gathered = [(sizes, dtypes)]
     if rank == 0:
         index = _index(everyone, writer, gathered, state.meta, world_size)
-        (partial / INDEX).write_text(json.dumps(index, indent=1))
+        _fsync_write(partial / INDEX, json.dumps(index, indent=1))  # on disk before the rename
         _commit(partial, folder)
     _barrier(group, world_size)
     return folder
