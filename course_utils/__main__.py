@@ -164,6 +164,9 @@ def _ckpt_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--rounds", type=int, default=5)
     b.add_argument("--mb", type=float, default=24.0, help="MB of state: parameters, Adam moments")
     b.add_argument("--dir", default=None, help="where the checkpoints go (removed afterwards)")
+    b.add_argument("--steps-after", type=int, default=0, metavar="K",
+                   help="training steps after each save in the stall rounds (0: as many as last "
+                   "twice a synchronous save)")  # fmt: skip
     b.add_argument("--json", action="store_true")
 
 
@@ -171,7 +174,12 @@ def _ckpt_run(args) -> None:
     from .bench import ckpt as bench_ckpt
 
     run = functools.partial(
-        bench_ckpt.run, args.world_sizes, args.rounds, mb=args.mb, folder=args.dir
+        bench_ckpt.run,
+        args.world_sizes,
+        args.rounds,
+        mb=args.mb,
+        folder=args.dir,
+        steps_after=args.steps_after,
     )
     _report(args, run, bench_ckpt.table)
 

@@ -33,6 +33,18 @@ def test_conclude_claims_only_what_the_ranges_allow():
     assert "overlap" in bench_ckpt.conclude([1, 3.5], [3, 4], "a", "b")
 
 
+def test_steps_to_outlast_a_save_stay_within_their_bounds():
+    """A save that takes no time needs the fewest steps; one far longer than a step, the most."""
+    import time
+
+    from course_utils.checkpoint.dcp import steps_to_outlast_a_save
+
+    assert steps_to_outlast_a_save(lambda: None, lambda: time.sleep(0.01), "cpu") == 3
+    assert steps_to_outlast_a_save(lambda: time.sleep(0.05), lambda: None, "cpu") == 50
+    k = steps_to_outlast_a_save(lambda: None, lambda: None, "cpu", at_least=7, at_most=9)
+    assert 7 <= k <= 9
+
+
 @pytest.mark.multiprocess
 def test_bench_ckpt_cli_reports_bytes_loads_and_stalls(runs_root, tmp_path, capsys):
     where = tmp_path / "checkpoints"
@@ -56,6 +68,7 @@ def test_bench_ckpt_cli_reports_bytes_loads_and_stalls(runs_root, tmp_path, caps
         assert d["load_max_diff"] == 0.0, m  # zeroed tensors, every value restored
         assert len(d["save_s"]) == len(d["load_s"]) == 1 and min(d["save_s"] + d["load_s"]) > 0
     assert len(row["sync"]) == len(row["async"]) == len(row["async_call"]) == 1
+    assert 3 <= row["steps_after"] <= 50  # as many steps as outlast a sync save, within bounds
     assert len(row["none_round"]) == 1 and row["none_round"][0] > 0
     # a stall is the round's excess over the no-save round: the async round holds its call
     assert row["async"][0] + row["none_round"][0] >= row["async_call"][0] > 0

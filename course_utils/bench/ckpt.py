@@ -14,7 +14,9 @@ order of the two methods reversed every other round), each of:
   counts. Bytes per rank: the files on disk. MB/s per rank: the fullest rank's bytes over the
   slowest rank's seconds. The load reads files just written, from the page cache.
 - **stall:** what notebook 11's ``async_stalls`` measures: three arms (their order rotated round by
-  round), each ``steps_after`` training steps after no save, after a synchronous ``dcp.save``, and
+  round), each ``steps_after`` training steps (by default as many as last twice a synchronous
+  save, :func:`~course_utils.checkpoint.dcp.steps_to_outlast_a_save`, so that an async write can
+  finish behind them) after no save, after a synchronous ``dcp.save``, and
   after a ``dcp.async_save`` on a gloo group of its own followed by the wait on its future. The
   stall of a save is its arm's time minus the no-save arm's, in the same round: it includes what
   the background writer (a thread of the training process) slows the steps it overlaps. The
@@ -154,6 +156,9 @@ def ckpt_worker(ctx, root: str, width: int, rounds: int, steps_after: int) -> di
 
     step()
     group = course_dcp.checkpoint_group()  # the background save's own group
+    if steps_after <= 0:  # enough steps for an async write to finish behind them
+        warm = functools.partial(course_dcp.save, model, opt, root / "warm")
+        steps_after = course_dcp.steps_to_outlast_a_save(warm, step, ctx.device)
     rows, stalls = [], {"none_round": [], "sync": [], "async": [], "async_call": []}
     for i in range(rounds):
         rows.append(_save_load_round(ctx, model, opt, fresh, root, i))
@@ -177,13 +182,15 @@ def ckpt_worker(ctx, root: str, width: int, rounds: int, steps_after: int) -> di
         "stalls": stalls,
         "held_bytes": held,
         "tensors": len(layouts.fsdp2(model, opt)),
+        "steps_after": steps_after,
     }
 
 
 def _row(n: int, results: list[dict]) -> dict:
     rounds = [res["rounds"] for res in results]
     row = {"P": n, "held_bytes_per_rank": [res["held_bytes"] for res in results],
-           "tensors_per_rank": results[0]["tensors"], **results[0]["stalls"]}  # fmt: skip
+           "tensors_per_rank": results[0]["tensors"], "steps_after": results[0]["steps_after"],
+           **results[0]["stalls"]}  # fmt: skip
     for m in METHODS:
         row[m] = {
             "bytes_per_rank": [rr[-1][m]["bytes"] for rr in rounds],
@@ -195,7 +202,7 @@ def _row(n: int, results: list[dict]) -> dict:
 
 
 def run(world_sizes=(1, 2, 4), rounds: int = 5, mb: float = 24.0, folder=None,
-        steps_after: int = 3, device: str = "cpu") -> dict:  # fmt: skip
+        steps_after: int = 0, device: str = "cpu") -> dict:  # fmt: skip
     """The benchmark on each world size (one launch each); files under ``folder`` (default: a
     temporary one), removed afterwards."""
     why = fsdp2_unsupported(torch.device(device).type)
@@ -254,14 +261,16 @@ def table(r: dict) -> str:
                 f"{mb / statistics.median(d['save_s']):.0f} | {_spread(d['load_s'])} | "
                 f"{mb / statistics.median(d['load_s']):.0f} | {d['load_max_diff'] == 0.0} |"
             )
-    out += ["", f"stall per checkpoint: a round of {c['steps_after']} training steps after the "
-            "save, minus the same round without a save (median (min-max) ms, slowest rank):", "",
-            "| P | sync save | async_save + wait | its call (staging) | async / sync |",
-            "| ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    out += ["", "stall per checkpoint: a round of k training steps after the save, minus the same "
+            "round without a save (median (min-max) ms, slowest rank); k: "
+            + ("as many steps as last twice a sync save" if not c["steps_after"] else
+               f"{c['steps_after']} (--steps-after)"), "",
+            "| P | k | sync save | async_save + wait | its call (staging) | async / sync |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for row in r["rows"]:
         q = statistics.median(row["async"]) / statistics.median(row["sync"])
         out.append(
-            f"| {row['P']} | {_spread(row['sync'], 1e3, '.1f')} | "
+            f"| {row['P']} | {row['steps_after']} | {_spread(row['sync'], 1e3, '.1f')} | "
             f"{_spread(row['async'], 1e3, '.1f')} | {_spread(row['async_call'], 1e3, '.1f')} | "
             f"{q:.2f} |"
         )

@@ -35,6 +35,8 @@ Unlike :func:`.sharded.save`, DCP writes in place: a crash mid-save leaves the f
 
 from __future__ import annotations
 
+import math
+import time
 from pathlib import Path
 
 import torch
@@ -98,3 +100,20 @@ def load(model, optimizer, folder, *, extra: dict | None = None) -> dict:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])  # fmt: skip
     return {k: state[k] for k in (extra or {})}
+
+
+def steps_to_outlast_a_save(save, step, device, *, at_least: int = 3, at_most: int = 50) -> int:
+    """How many training steps last twice one synchronous ``save()``: enough for an asynchronous
+    save's write to finish behind them, so that its stall shows what overlap hides rather than a
+    wait. Times one ``save()`` and one ``step()``; every rank takes the largest count."""
+    t0 = time.perf_counter()
+    save()
+    saving = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    step()
+    one = time.perf_counter() - t0
+    k = torch.tensor([min(at_most, max(at_least, math.ceil(2 * saving / max(one, 1e-9))))],
+                     device=device)  # fmt: skip
+    if dist.is_initialized():
+        dist.all_reduce(k, op=dist.ReduceOp.MAX)
+    return int(k.item())
