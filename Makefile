@@ -116,7 +116,7 @@ test-contended: setup
 	    -m contended -p no:cacheprovider || exit 1; done
 
 # Every exercise check on every solution of tests/fixtures/solutions (make test runs all of the
-# single-process ones and three correct and three wrong of each exercise that starts ranks).
+# single-process ones and two correct and two wrong of each exercise that starts ranks).
 test-corpus: setup
 	COURSE_SIZE=ci COURSE_CORPUS=all $(PY) -m pytest tests/test_corpus.py -p no:cacheprovider
 
