@@ -197,7 +197,8 @@ def test_dtensor_runs_end_clean_twenty_times(runs_root):
 
     from course_utils.launcher.supervise import read_record
 
-    for i in range(20):
+    pinned = not torch.__version__.startswith("2.6.")  # the floor (make test-floor): 5 runs
+    for i in range(20 if pinned else 5):
         res = launch("tests.workers:dtensor_sum", 2, echo=False, seed=i)
         assert res.results[0] == res.results[1] == pytest.approx(res.results[0])
         exitcodes = json.loads((res.run_dir / "launch.json").read_text())["exitcodes"]

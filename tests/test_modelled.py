@@ -97,7 +97,9 @@ def node(request):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("p", [2, 4])
+# p = 2 runs under make test-contended only (CI's time): make test keeps p = 4, where the formula's
+# p matters more, and notebook 05 asserts p = 2 for m = 1 and 2
+@pytest.mark.parametrize("p", [pytest.param(2, marks=pytest.mark.contended), 4])
 def test_the_bubble_follows_theory_under_modelled_compute(runs_root, node, p):
     """Each stage idles (p-1)/(m+p-1) of the step, GPipe and 1F1B alike, within 10 % of it
     (micro-batches of one size, so the step grows as m + p - 1 micro-batch times)."""
